@@ -1,0 +1,24 @@
+"""glm5: an open, readable, fast PyTorch implementation of the GLM-5 system.
+
+Top-level names are imported lazily so that `import glm5` stays cheap.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ModelConfig": "glm5.model.config",
+    "GLM5ForCausalLM": "glm5.model.model",
+    "from_pretrained": "glm5.model.hf_adapter",
+    "LLM": "glm5.infer.llm",
+    "SamplingParams": "glm5.infer.sampling",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'glm5' has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

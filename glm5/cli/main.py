@@ -1,0 +1,44 @@
+"""`glm5` console script: dispatches `glm5 <command> ...` to `glm5.cli.<module>:main(argv)`.
+
+Each command lives in its own module so that importing the CLI stays cheap (the server's FastAPI,
+for example, is only imported by `glm5 serve`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "info": ("info", "parameter accounting of a preset or checkpoint (no memory: meta device)"),
+    "data": ("data", "data pipeline: `glm5 data run|stats|tokenizer|corpus ...`"),
+    "train": ("train", "pretraining: `glm5 train --config configs/train/tiny.toml`"),
+    "plot": ("plot", "PNG plots of a training run: `glm5 plot RUN_DIR`"),
+    "generate": ("generate", "generate text: `glm5 generate --model PATH --prompt ...`"),
+    "serve": ("serve", "OpenAI-compatible server: `glm5 serve --model PATH`"),
+    "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),
+    "quickstart": ("quickstart", "the main job: data pipeline -> train tiny -> generate"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: glm5 <command> [options]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"glm5: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"glm5.cli.{COMMANDS[name][0]}")
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
