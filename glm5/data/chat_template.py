@@ -1,0 +1,126 @@
+"""Chat-template rendering with jinja2, byte-for-byte as `transformers.apply_chat_template` renders.
+
+Owns the jinja environment (same settings and helpers as transformers: sandboxed, `trim_blocks`,
+`lstrip_blocks`, loop controls, a `tojson` that keeps non-ASCII, `raise_exception`, the
+`{% generation %}` tag), message normalisation (OpenAI-style JSON-string tool arguments become dicts,
+`reasoning`/`thinking` alias `reasoning_content`), and the default GLM-5-style template
+(`templates/glm5_chat.jinja`). Knows nothing about token ids: `tokenizer.py` tokenizes the text.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATE_PATH = Path(__file__).parent / "templates" / "glm5_chat.jinja"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def default_chat_template() -> str:
+    return TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+class _GenerationTracker(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: records the character spans the assistant generates.
+
+    Same mechanism as transformers: the template is rendered block by block (`generate`), and when a
+    generation block is emitted its start is the length of everything emitted before it. The blocks
+    and spans travel in the `_tracker` render variable, so rendering stays re-entrant; without it the
+    tag is a no-op.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_mark", [jinja2.nodes.Name("_tracker", "load")])
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _mark(self, tracker, caller):
+        text = caller()
+        if isinstance(tracker, _Tracker):
+            start = sum(len(b) for b in tracker.blocks)
+            tracker.spans.append((start, start + len(text)))
+        return text
+
+
+class _Tracker:
+    def __init__(self):
+        self.blocks: list[str] = []
+        self.spans: list[tuple[int, int]] = []
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers overrides jinja's tojson (which HTML-escapes); match it exactly.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTracker, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def normalize_messages(messages) -> list[dict]:
+    """Plain-dict deep copy of `messages`, with reasoning aliases and tool-call arguments as dicts."""
+    out = []
+    for m in copy.deepcopy(list(messages)):
+        m = dict(m)
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m["reasoning_content"] = reasoning
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_normalize_tool_call(tc) for tc in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def _normalize_tool_call(tc: dict) -> dict:
+    tc = dict(tc)
+    fn = dict(tc.get("function", tc))
+    args = fn.get("arguments")
+    if isinstance(args, str):  # OpenAI sends arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tool call {fn.get('name')!r}: arguments are not valid JSON: {e}") from e
+    if args is not None and not isinstance(args, dict):
+        raise ValueError(f"tool call {fn.get('name')!r}: arguments must be an object, got {args!r}")
+    fn["arguments"] = args or {}
+    if "function" in tc:
+        tc["function"] = fn
+        return tc
+    return fn
+
+
+def render(source: str, messages, tools=None, add_generation_prompt: bool = True, **kwargs) -> str:
+    """Render a conversation to text with the template `source`."""
+    return compile_template(source).render(messages=normalize_messages(messages), tools=tools or None,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def render_with_spans(source: str, messages, tools=None, add_generation_prompt: bool = False,
+                      **kwargs) -> tuple[str, list[tuple[int, int]]]:
+    """Render and return the [start, end) character spans of the `{% generation %}` blocks."""
+    tracker = _Tracker()
+    for block in compile_template(source).generate(
+            messages=normalize_messages(messages), tools=tools or None,
+            add_generation_prompt=add_generation_prompt, _tracker=tracker, **kwargs):
+        tracker.blocks.append(block)
+    return "".join(tracker.blocks), tracker.spans

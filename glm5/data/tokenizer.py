@@ -1,0 +1,218 @@
+"""GLM tokenizer: a byte-level BPE (`tokenizers`) plus GLM's special tokens and chat template.
+
+Owns loading and saving HF tokenizer directories (`tokenizer.json` + `tokenizer_config.json` +
+`chat_template.jinja`), encoding/decoding, the chat template (rendered with jinja2 exactly as
+`transformers` renders it, see `chat_template.py`), and `IncrementalDetokenizer` for streaming output.
+It loads our own tokenizers and real GLM-4.5/GLM-5 `tokenizer.json` files alike; it never imports
+`transformers`. Training lives in `tokenizer_cli.py` (`glm5 data tokenizer`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from functools import cached_property
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from tokenizers.pre_tokenizers import ByteLevel
+
+from glm5.core.io import atomic_write_json, atomic_write_text
+from glm5.data import chat_template as ct
+
+# GLM's special tokens, in the order of the real GLM-4.5/GLM-5 vocabulary (minus the multimodal ones).
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+)
+# A GLM turn ends when the model emits one of these (GLM-5 generation_config: eos_token_id list).
+EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+PAD_TOKEN = "<|endoftext|>"
+PREFIX_TOKENS = ("[gMASK]", "<sop>")  # GLM prompt prefix (chat template, `add_special_tokens=True`)
+
+
+class GLMTokenizer:
+    """A loaded tokenizer: `tokenizers.Tokenizer` + special-token ids + chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, config: dict | None = None):
+        self.tok = tokenizer
+        self.chat_template = chat_template or ct.default_chat_template()
+        self.config = dict(config or {})
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.special_tokens = {t: vocab[t] for t in SPECIAL_TOKENS if t in vocab}
+        missing = [t for t in (*EOS_TOKENS, *PREFIX_TOKENS) if t not in self.special_tokens]
+        if missing:
+            raise ValueError(f"tokenizer lacks GLM special tokens {missing}")
+        self.eos_token_ids = [self.special_tokens[t] for t in EOS_TOKENS]
+        self.eos_token_id = self.eos_token_ids[0]
+        self.pad_token_id = self.special_tokens[PAD_TOKEN]
+        # Every token the tokenizer itself marks special (a real GLM file also has image/audio tokens).
+        self.all_special_ids = {a.content: i for i, a in tokenizer.get_added_tokens_decoder().items()
+                                if a.special}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (BPE vocabulary + added tokens); the model's vocab_size must be >= this."""
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Text -> ids. Special-token strings in `text` become their ids (as in HF);
+        `add_special_tokens` applies the file's post-processor (ours prepends `[gMASK]<sop>`)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Batch encode (multithreaded in Rust), no special prefix."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(int(i))
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt: bool = True,
+                            enable_thinking: bool = True, tokenize: bool = True, **kwargs):
+        """Render a conversation (OpenAI-style dicts) with the chat template; ids, or the text when
+        `tokenize=False`. Extra kwargs (e.g. `clear_thinking=False`) go to the template."""
+        text = ct.render(self.chat_template, messages, tools=tools,
+                         add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                         **kwargs)
+        return self.encode(text) if tokenize else text
+
+    def encode_chat(self, messages, tools=None, enable_thinking: bool = True, **kwargs):
+        """SFT encoding: (ids, loss_mask). The mask is 1 on what the assistant generates (its
+        `{% generation %}` blocks) plus the token that ends each assistant turn (`<|user|>`,
+        `<|observation|>`, or an appended `<|endoftext|>` after a final assistant turn)."""
+        text, spans = ct.render_with_spans(self.chat_template, messages, tools=tools,
+                                           add_generation_prompt=False,
+                                           enable_thinking=enable_thinking, **kwargs)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        ids, mask = list(enc.ids), [0] * len(enc.ids)
+        for i, (start, end) in enumerate(enc.offsets):
+            if any(s <= start and end <= e and end > start for s, e in spans):
+                mask[i] = 1
+        for i in range(1, len(ids)):  # the turn-ending token right after a generated span
+            if mask[i - 1] and not mask[i] and ids[i] in self.eos_token_ids:
+                mask[i] = 1
+        if ids and mask[-1]:
+            ids.append(self.eos_token_id)
+            mask.append(1)
+        return ids, mask
+
+    @cached_property
+    def _byte_decoder(self) -> dict[str, int]:
+        return {c: b for b, c in _bytes_to_unicode().items()}
+
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes of one token (byte-level BPE); added tokens are their UTF-8 content."""
+        tok = self.tok.id_to_token(int(i))
+        if tok is None:
+            raise ValueError(f"token id {i} out of range (vocab {self.vocab_size})")
+        if int(i) in self._added_ids:
+            return tok.encode("utf-8")
+        return bytes(self._byte_decoder[c] for c in tok)
+
+    @cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self.tok.get_added_tokens_decoder())
+
+    def save(self, path: str | Path) -> None:
+        """Write an HF tokenizer directory (loadable by `transformers.AutoTokenizer` and `load_tokenizer`)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path / "tokenizer.json", self.tok.to_str(pretty=True))
+        atomic_write_json(path / "tokenizer_config.json", self._hf_config())
+        atomic_write_text(path / "chat_template.jinja", self.chat_template)
+
+    def _hf_config(self) -> dict:
+        decoder = {str(i): {"content": a.content, "lstrip": a.lstrip, "normalized": a.normalized,
+                            "rstrip": a.rstrip, "single_word": a.single_word, "special": a.special}
+                   for i, a in sorted(self.tok.get_added_tokens_decoder().items())}
+        keep = {k: v for k, v in self.config.items() if k not in ("added_tokens_decoder", "chat_template")}
+        return {
+            **keep,
+            "added_tokens_decoder": decoder,
+            "additional_special_tokens": [t for t in SPECIAL_TOKENS if t in self.special_tokens],
+            "clean_up_tokenization_spaces": False,
+            "do_lower_case": False,
+            "eos_token": EOS_TOKENS[0],
+            "pad_token": PAD_TOKEN,
+            "model_max_length": keep.get("model_max_length", 131072),
+            "padding_side": "left",
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": self.chat_template,
+        }
+
+
+def load_tokenizer(path: str | Path) -> GLMTokenizer:
+    """Load a tokenizer directory (or a bare `tokenizer.json`): ours or a real GLM one.
+
+    The chat template comes from `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`,
+    else glm5's default template.
+    """
+    path = Path(path)
+    file = path if path.is_file() else path / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    root = file.parent
+    config = {}
+    if (root / "tokenizer_config.json").is_file():
+        config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = config.get("chat_template")
+    if isinstance(template, list):  # HF allows named templates: [{"name": "default", "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if (root / "chat_template.jinja").is_file():
+        template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+    return GLMTokenizer(Tokenizer.from_file(str(file)), template, config)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-char table used by ByteLevel (taken from `tokenizers` itself)."""
+    alphabet = ByteLevel.alphabet()
+    # Same construction as GPT-2: printable latin-1 bytes map to themselves, the rest to 256+n.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    assert set(table.values()) == set(alphabet), "ByteLevel alphabet differs from GPT-2's table"
+    return table
+
+
+class IncrementalDetokenizer:
+    """Streaming decode: `add(ids)` returns only the new text, never a partial UTF-8 character.
+
+    Tokens are turned into raw bytes and fed to an incremental UTF-8 decoder, so a character split
+    across tokens (Chinese, emoji) is emitted once its last byte arrives. `finish()` flushes a dangling
+    incomplete sequence as U+FFFD (only possible if generation stopped mid-character).
+    """
+
+    def __init__(self, tokenizer: GLMTokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = set(tokenizer.all_special_ids.values()) if skip_special_tokens else set()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.token_ids: list[int] = []
+
+    def add(self, ids) -> str:
+        if isinstance(ids, int):
+            ids = [ids]
+        data = b"".join(self.tokenizer.token_bytes(i) for i in ids if int(i) not in self.skip)
+        self.token_ids.extend(int(i) for i in ids)
+        new = self._utf8.decode(data, final=False)
+        self.text += new
+        return new
+
+    def finish(self) -> str:
+        new = self._utf8.decode(b"", final=True)
+        self.text += new
+        return new
