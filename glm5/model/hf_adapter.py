@@ -1,0 +1,202 @@
+"""HF checkpoint interchange: load and save `GlmMoeDsaForCausalLM` directories (config.json + safetensors).
+
+On disk, experts are stored one by one (`mlp.experts.{e}.gate_proj.weight`, ...); in memory we keep them
+fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]),
+as transformers v5 does. Loading is memory-mapped and tensor by tensor (the model is built on the meta
+device and materialised once), FP8 e4m3 block-scaled weights (`weight_scale_inv`) are dequantised on the
+fly, and every missing, unexpected or mis-shaped tensor raises an error naming it. Only safetensors are
+ever read: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from glm5.core.io import LazyTensors, safetensors_files, save_sharded
+
+from .config import ModelConfig
+from .model import GLM5ForCausalLM
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# Kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules(_strict)).
+FP32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: the message names the tensor."""
+
+
+# --- state dict <-> HF names -------------------------------------------------------------------------
+def state_dict_to_hf(model: GLM5ForCausalLM) -> dict[str, torch.Tensor]:
+    """Our state dict with fused experts split into HF's per-expert on-disk names."""
+    out = {}
+    for name, t in model.state_dict().items():
+        m = _FUSED.match(name)
+        if m is None:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            out[name] = t
+            continue
+        prefix, kind = m.groups()
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def _hf_sources(name: str, shape: torch.Size) -> list[str]:
+    """HF on-disk names that make up our tensor `name`."""
+    m = _FUSED.match(name)
+    if m is None:
+        return [name]
+    prefix, kind = m.groups()
+    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+    return [f"{prefix}.{e}.{p}.weight" for e in range(shape[0]) for p in parts]
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+    """Checkpoint keys we knowingly do not load."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    m = re.match(r"^model\.layers\.(\d+)\.(embed_tokens\.weight|shared_head\.head\.weight)$", name)
+    return bool(m) and int(m.group(1)) >= cfg.num_hidden_layers  # MTP copies of the tied embed/head
+
+
+# --- FP8 ------------------------------------------------------------------------------------------------
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """W = W_fp8 * scale, each scale covering a block[0] x block[1] tile (ragged edge tiles included)."""
+    out_f, in_f = w.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:out_f].repeat_interleave(block[1], 1)[:, :in_f]
+    return w.float() * s
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, for tests and exports: per-tile absmax scaling into float8_e4m3fn."""
+    out_f, in_f = w.shape
+    bo, bi = block
+    rows, cols = -(-out_f // bo), -(-in_f // bi)
+    padded = torch.zeros(rows * bo, cols * bi, dtype=torch.float32)
+    padded[:out_f, :in_f] = w.float()
+    tiles = padded.view(rows, bo, cols, bi)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [rows, cols]
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (tiles / scale[:, None, :, None]).view(rows * bo, cols * bi)[:out_f, :in_f]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+class _Reader:
+    """Reads HF tensors by name, dequantising FP8 weights; remembers which checkpoint keys were used."""
+
+    def __init__(self, tensors: LazyTensors, cfg: ModelConfig):
+        self.t = tensors
+        self.used: set[str] = set()
+        qc = cfg.extra.get("quantization_config") or {}
+        self.block = tuple(qc.get("weight_block_size") or (128, 128))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.t:
+            raise CheckpointError(f"missing tensor {name!r} in checkpoint")
+        self.used.add(name)
+        x = self.t.get(name)
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale_name = name + "_scale_inv"
+            if scale_name not in self.t:
+                raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} next to it")
+            self.used.add(scale_name)
+            x = dequantize_fp8(x, self.t.get(scale_name), self.block)
+        return x
+
+
+# --- loading --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_hf_state_dict(model: GLM5ForCausalLM, tensors: LazyTensors, strict: bool = True) -> None:
+    """Copy HF-named tensors into `model` (already materialised), one tensor at a time."""
+    reader = _Reader(tensors, model.config)
+    targets = dict(model.named_parameters())
+    targets.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    for name, dst in targets.items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        sources = _hf_sources(name, dst.shape)
+        if len(sources) == 1:
+            src = reader.get(sources[0])
+        else:
+            per = [reader.get(s) for s in sources]
+            k = len(per) // dst.shape[0]  # 2 (gate, up) or 1 (down) tensors per expert
+            want = torch.Size([dst.shape[1] // k, dst.shape[2]])
+            for s, p in zip(sources, per):
+                if p.shape != want:
+                    raise CheckpointError(f"tensor {s!r} has shape {list(p.shape)}, expected {list(want)}")
+            src = torch.stack([torch.cat(per[e * k:(e + 1) * k], dim=0) for e in range(dst.shape[0])])
+        if src.shape != dst.shape:
+            raise CheckpointError(f"tensor {sources[0]!r} has shape {list(src.shape)}, expected {list(dst.shape)}")
+        dst.copy_(src.to(dst.dtype))
+    extra = [k for k in tensors.keys() if k not in reader.used and not _ignorable(k, model.config)]
+    if strict and extra:
+        raise CheckpointError(f"unexpected tensor(s) in checkpoint: {sorted(extra)[:10]}"
+                              f"{' ...' if len(extra) > 10 else ''} ({len(extra)} in all)")
+
+
+def default_dtype(cfg: ModelConfig, device: str | torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmul is very slow there); the checkpoint's dtype elsewhere."""
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    name = cfg.extra.get("dtype") or cfg.extra.get("torch_dtype") or "bfloat16"
+    return getattr(torch, str(name).replace("torch.", ""), torch.bfloat16)
+
+
+def cast_model(model: GLM5ForCausalLM, dtype: torch.dtype) -> GLM5ForCausalLM:
+    """Cast to `dtype`, keeping the router, its bias and the indexer head weights in fp32."""
+    model.to(dtype)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith(FP32_SUFFIXES) or name.endswith("inv_freq"):
+            p.data = p.data.float()
+    return model
+
+
+def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> GLM5ForCausalLM:
+    """Build on the meta device (no memory, no init), then allocate uninitialised storage once."""
+    with torch.device("meta"):
+        model = GLM5ForCausalLM(cfg)
+    model.to_empty(device=device)
+    cast_model(model, dtype)
+    from .layers import rope_inv_freq
+    model.model.inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta))
+    return model
+
+
+def from_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                    strict: bool = True) -> GLM5ForCausalLM:
+    """Load a HF-format GLM-5 checkpoint directory (single-file or sharded safetensors, FP8 or not)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
+    cfg = ModelConfig.from_pretrained(path)
+    dtype = dtype or default_dtype(cfg, device)
+    model = build_empty(cfg, device, dtype)
+    load_hf_state_dict(model, LazyTensors(safetensors_files(path)), strict=strict)
+    return model.eval()
+
+
+def save_pretrained(model: GLM5ForCausalLM, path: str | Path, max_shard_size: int | str = "5GB",
+                    dtype: torch.dtype | None = None) -> None:
+    """Write config.json, generation_config.json and HF-named safetensors (sharded past max_shard_size)."""
+    path = Path(path)
+    cfg = model.config
+    tensors = state_dict_to_hf(model)
+    if dtype is not None:
+        tensors = {k: (v if k.endswith(FP32_SUFFIXES) else v.to(dtype)) for k, v in tensors.items()}
+    save_sharded({k: v.detach().cpu() for k, v in tensors.items()}, path, max_shard_size)
+    d = cfg.to_dict()
+    d["dtype"] = str(dtype or next(model.parameters()).dtype).replace("torch.", "")
+    (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    gen = {k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if d.get(k) is not None}
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -1,0 +1,232 @@
+"""The GLM-5 decoder (`GlmMoeDsaForCausalLM`) and its multi-token-prediction (MTP) layer.
+
+Pre-norm blocks: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h)), where MLP is a dense SwiGLU for the
+first `first_k_dense_replace` layers and the MoE block after. Each layer hands its key selection to the
+next so that "shared" (IndexShare) layers reuse the last full indexer's top-k. Module names equal the
+HF names, so a state dict maps 1:1 except the fused experts (see hf_adapter.py).
+
+Dims: B batch, T sequence, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import MLAttention
+from .config import ModelConfig
+from .layers import RMSNorm, SwiGLU, rope_angles, rope_inv_freq
+from .masks import MaskSpec
+from .moe import MoE
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, V]
+    hidden_states: torch.Tensor  # [B, T, H] after the final norm
+    mtp_logits: torch.Tensor | None = None  # [B, T, V]: position t predicts token t+2
+    router_stats: list[dict] = field(default_factory=list)  # one dict per MoE layer (see moe.MoE)
+    selections: list = field(default_factory=list)  # per layer (idx, valid) or None (dense)
+
+    def __getitem__(self, i):  # tuple-style access: out[0] is the logits
+        return (self.logits, self.hidden_states, self.mtp_logits)[i]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, sparse_mlp: bool, has_indexer: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = MLAttention(cfg, layer_idx, has_indexer)
+        self.mlp = MoE(cfg) if sparse_mlp else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask: MaskSpec, prev_sel=None):
+        """-> (hidden [B, T, H], selection or None, router stats dict or None)."""
+        a, sel = self.self_attn(self.input_layernorm(x), cos, sin, mask, prev_sel)
+        h = x + a
+        m = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(m, tuple):
+            m, stats = m
+        else:
+            stats = None
+        return h + m, sel, stats
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's output norm; its `head` is the main lm_head (not stored in GLM-5 checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3 MTP block stored at `model.layers.{num_hidden_layers}`:
+    z = eh_proj([enorm(embed(token_{t+1})) ; hnorm(h_t)]) -> a full MoE decoder layer -> shared_head.norm
+    -> lm_head, predicting token t+2. Embedding and head are tied to the main model's."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx, sparse_mlp=True, has_indexer=True)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+    def forward_mtp(self, emb_next, hidden, cos, sin, mask: MaskSpec):
+        """emb_next [B, T, H] (embedding of token t+1), hidden [B, T, H] (main h_t) -> normed [B, T, H]."""
+        z = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(hidden)], dim=-1))
+        z, _, stats = DecoderLayer.forward(self, z, cos, sin, mask, None)
+        return self.shared_head.norm(z), stats
+
+
+class GLM5Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers = [DecoderLayer(cfg, i, cfg.mlp_layer_types[i] == "sparse", cfg.indexer_types[i] == "full")
+                  for i in range(cfg.num_hidden_layers)]
+        layers += [MTPLayer(cfg, cfg.num_hidden_layers + j) for j in range(cfg.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.block_position_embedding:
+            self.block_position_embeddings = nn.Embedding(cfg.max_block_positions, cfg.hidden_size)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+
+    @property
+    def main_layers(self):
+        return self.layers[: self.cfg.num_hidden_layers]
+
+    @property
+    def mtp_layers(self):
+        return self.layers[self.cfg.num_hidden_layers:]
+
+
+class GLM5ForCausalLM(nn.Module):
+    """`model(input_ids)` -> ModelOutput(.logits [B, T, V], ...). Pure math: no I/O, no process groups."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = GLM5Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.gradient_checkpointing = False
+
+    # --- init -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> "GLM5ForCausalLM":
+        """normal(0, initializer_range) for every matrix and expert, ones for norms, zeros for biases."""
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(seed)
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen if seed is not None else None) * std)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+        for name, b in self.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+        self.model.inv_freq.copy_(rope_inv_freq(self.config.qk_rope_head_dim, self.config.rope_theta))
+        return self
+
+    # --- forward --------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                block_position_ids: torch.Tensor | None = None, return_mtp: bool = False,
+                mtp_input_ids: torch.Tensor | None = None, labels=None, logits_to_keep: int = 0) -> ModelOutput:
+        """input_ids [B, T]; position_ids [B, T] (default arange); segment_ids [B, T] (packed documents);
+        attention_mask [B, T, T] bool (True = may attend; replaces causal order, e.g. blank infilling) or
+        [B, T] 0/1 padding mask; block_position_ids [B, T] (GLM 2D positions). With return_mtp, also MTP
+        logits where position t predicts token t+2 from h_t and token t+1 (`mtp_input_ids`, default
+        input_ids shifted left by one). `labels` is accepted for API symmetry and ignored (losses live in
+        glm5.train)."""
+        cfg = self.config
+        B, T = input_ids.shape
+        x = self.model.embed_tokens(input_ids)
+        if block_position_ids is not None:
+            if not cfg.block_position_embedding:
+                raise ValueError("block_position_ids given but the config has block_position_embedding = false")
+            x = x + self.model.block_position_embeddings(block_position_ids)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, -1)
+        cos, sin = rope_angles(position_ids, self.model.inv_freq)  # [B, T, P/2]
+        mask = self._mask(attention_mask, segment_ids, B, T)
+        h, stats, sels = self._run_layers(x, cos, sin, mask)
+        h = self.model.norm(h)
+        hk = h[:, -logits_to_keep:] if logits_to_keep else h
+        out = ModelOutput(logits=self.lm_head(hk), hidden_states=h, router_stats=stats, selections=sels)
+        if return_mtp and len(self.model.mtp_layers):
+            out.mtp_logits, mstats = self._mtp(input_ids, mtp_input_ids, h, cos, sin, mask)
+            out.router_stats = stats + mstats
+        return out
+
+    @staticmethod
+    def _mask(attention_mask, segment_ids, B, T) -> MaskSpec:
+        if attention_mask is None:
+            return MaskSpec(causal=True, segment_ids=segment_ids)
+        if attention_mask.dim() == 2:  # HF-style padding mask [B, T]: 1 = real token
+            keep = attention_mask.bool()
+            return MaskSpec(causal=True, segment_ids=segment_ids,
+                            attention_mask=keep[:, None, :].expand(B, T, T))
+        return MaskSpec(causal=False, segment_ids=segment_ids, attention_mask=attention_mask.bool())
+
+    def _run_layers(self, x, cos, sin, mask):
+        stats, sels, sel = [], [], None
+        for layer in self.model.main_layers:
+            if self.gradient_checkpointing and self.training:
+                x, sel, st = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, sel, use_reentrant=False)
+            else:
+                x, sel, st = layer(x, cos, sin, mask, sel)
+            sels.append(sel)
+            if st is not None:
+                st["layer"] = layer.layer_idx
+                stats.append(st)
+        return x, stats, sels
+
+    def _mtp(self, input_ids, mtp_input_ids, h, cos, sin, mask):
+        """Depth-j MTP layer sees tokens shifted left by j+1 and the previous depth's states; returns the
+        first depth's logits (GLM-5 has one MTP layer)."""
+        logits, stats, z = None, [], h
+        for j, layer in enumerate(self.model.mtp_layers):
+            if mtp_input_ids is None or j > 0:
+                src = input_ids if mtp_input_ids is None else mtp_input_ids
+                shift = j + 1 if mtp_input_ids is None else 1
+                ids = F.pad(src[:, shift:], (0, shift), value=0)
+            else:
+                ids = mtp_input_ids
+            emb = self.model.embed_tokens(ids)
+            if mtp_input_ids is None:  # no token t+1 past the end: zero embedding there
+                tail = torch.arange(emb.shape[1], device=emb.device) >= emb.shape[1] - (j + 1)
+                emb = emb.masked_fill(tail[None, :, None], 0.0)
+            z, st = layer.forward_mtp(emb, z, cos, sin, mask)
+            st["layer"] = layer.layer_idx
+            stats.append(st)
+            if logits is None:
+                logits = self.lm_head(z)
+        return logits, stats
+
+    # --- helpers --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+        """Naive greedy decoding by full recompute: the oracle for the engine (slow, O(T^2) per token)."""
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        ids = input_ids
+        for _ in range(max_new_tokens):
+            nxt = self(ids, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], dim=1)
+            if ids.shape[0] == 1 and int(nxt) in eos:
+                break
+        return ids
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,169 @@
+"""Mixture of experts: GLM-5's sigmoid router with a selection-only correction bias, grouped experts,
+an always-on shared expert; plus the seeds' options (softmax top-k gating, router temperature, capacity
+factor with token dropping, expert dropout, and a dense "soft" mixture).
+
+Experts are stored fused as transformers v5 keeps them in memory: `gate_up_proj` [E, 2I, H] (gate rows
+first) and `down_proj` [E, H, I]; the HF adapter converts from/to the per-expert on-disk names.
+
+Dims: N tokens, H hidden, E routed experts, A experts per token, I expert FFN width, G groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import SwiGLU
+
+
+class Router(nn.Module):
+    """Top-k router. Logits in fp32; the bias only steers *which* experts win, never their weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(self.n_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor):
+        """x [N, H] -> logits [N, E] fp32, scores [N, E] fp32, weights [N, A] fp32, idx [N, A] long."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float()) / cfg.router_temperature  # [N, E]
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.float()
+        if cfg.n_group > 1:  # group-limited routing: keep the topk_group groups with the best top-2 sums
+            G = cfg.n_group
+            grouped = choice.view(-1, G, self.n_experts // G)  # [N, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.n_experts // G, dim=1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, A]
+        weights = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, scores, weights * cfg.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two fused 3-D weights; `forward` sorts tokens by expert (grouped matmuls)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.n_experts, self.inter = E, I
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], idx/weights [N, A] (keep [N, A] bool: assignments that survive capacity/dropout)."""
+        N, A = idx.shape
+        flat = idx.reshape(-1)
+        if keep is not None:
+            flat = torch.where(keep.reshape(-1), flat, self.n_experts)  # dropped -> a virtual expert E
+        order = torch.argsort(flat, stable=True)  # [N*A] assignments grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts]
+        n_live = int(counts.sum())
+        order = order[:n_live]
+        token = order // A  # [M] token of each live assignment
+        xs = x[token]  # [M, H]
+        ys = grouped_swiglu(xs, self.gate_up_proj, self.down_proj, counts)  # [M, H]
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def forward_reference(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Plain per-expert loop (the oracle for tests; transformers' formulation)."""
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
+        return out
+
+    def forward_dense(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Every token through every expert, mixed by probs [N, E] (the soft-MoE variant)."""
+        h = torch.einsum("nh,eih->eni", x, self.gate_up_proj)  # [E, N, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.down_proj)  # [E, N, H]
+        return torch.einsum("enh,ne->nh", y, probs.to(y.dtype))
+
+
+def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over expert-sorted rows xs [M, H] with counts [E] rows per expert -> [M, H].
+
+    On CUDA with bf16 this is `torch._grouped_mm` (one kernel for all experts). Elsewhere it is one matmul
+    per non-empty expert on a contiguous slice, which measured fastest on CPU (bench/moe.py): padded bmm
+    wastes work on imbalanced loads and CPU `_grouped_mm` has no backward.
+    """
+    if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+    outs = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        gate, up = F.linear(xs[start:start + n], gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+        start += n
+    return torch.cat(outs) if outs else xs.new_zeros(0, xs.shape[-1])
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert(s). Returns the output and router statistics for monitoring."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.use_reference = False  # tests flip this to run the per-expert loop
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])  # [N, H]
+        logits, scores, weights, idx = self.gate(xf)
+        stats = {"router_logits": logits, "scores": scores, "topk_idx": idx,
+                 "tokens_per_expert": torch.bincount(idx.reshape(-1), minlength=self.cfg.n_routed_experts)}
+        if self.cfg.moe_type == "soft":
+            probs = (logits.softmax(-1) if self.cfg.scoring_func == "softmax" else scores / scores.sum(-1, True))
+            routed = self.experts.forward_dense(xf, probs * self.cfg.routed_scaling_factor)
+        elif self.use_reference:
+            routed = self.experts.forward_reference(xf, idx, weights)
+        else:
+            keep = self._keep_mask(idx)
+            stats["dropped_tokens"] = 0 if keep is None else int((~keep).sum())
+            routed = self.experts(xf, idx, weights, keep)
+        out = routed.to(x.dtype).view(shape) + self.shared_experts(x)
+        return out, stats
+
+    def _keep_mask(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """Assignments kept after expert dropout (training) and the capacity limit (None = keep all)."""
+        cfg = self.cfg
+        keep = None
+        if self.training and cfg.expert_dropout > 0:
+            keep = torch.rand(idx.shape, device=idx.device) >= cfg.expert_dropout
+        if cfg.moe_capacity_factor is not None:
+            N, A = idx.shape
+            cap = math.ceil(cfg.moe_capacity_factor * N * A / cfg.n_routed_experts)
+            flat = idx.reshape(-1)
+            if keep is not None:
+                flat = torch.where(keep.reshape(-1), flat, cfg.n_routed_experts)
+            onehot = F.one_hot(flat, cfg.n_routed_experts + 1)  # [N*A, E+1], token order = priority
+            rank = (onehot.cumsum(0) * onehot).sum(-1) - 1  # position of each assignment in its expert queue
+            within = (rank < cap).view(N, A)
+            keep = within if keep is None else keep & within
+        return keep
