@@ -1,0 +1,70 @@
+"""`EngineConfig`: every inference-engine option in one typed dataclass (TOML `[engine]` + CLI overrides).
+
+The scheduler reads the budgets (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`), the block
+manager the KV layout (`block_size`, `num_blocks` or `kv_cache_memory`), the runner the model/device
+options, the server the dynamic-batching knobs. Load with
+`glm5.core.config.load_config(EngineConfig, "configs/serve/x.toml", ["--max_num_seqs=64"])`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    model: str = "tiny"  # checkpoint directory or model preset name
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # weights and activations
+    device: str = "cuda"  # "cuda", "cuda:1", "cpu"
+    seed: int = 0  # seeds the sampler generator used by requests without their own seed
+
+    # KV cache
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # KV blocks; None = derive from kv_cache_memory
+    kv_cache_memory: int | None = None  # KV budget in bytes; None with num_blocks None = measure free memory
+    enable_prefix_caching: bool = True  # reuse full blocks of identical prefixes (chained block hashes)
+
+    # scheduling
+    max_num_seqs: int = 256  # running requests at most
+    max_num_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks + draft tokens)
+    max_model_len: int = 8192  # prompt + output tokens per request
+    enable_chunked_prefill: bool = True  # split long prompts across steps under the token budget
+
+    # model execution
+    quantization: Literal["int8"] | None = None  # weight-only INT8 (experts in groups)
+    speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
+    max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
+    expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts
+    enforce_eager: bool = False  # no CUDA graphs
+
+    # long conversations
+    max_session_len: int | None = None  # tokens a session may keep before its history is cut
+    session_policy: Literal["drop", "summarize"] = "drop"  # what to do past max_session_len
+
+    # server-side dynamic batching (the server groups requests before handing them to the engine)
+    max_batch_size: int = 32  # requests per batch at most
+    preferred_batch_size: int = 16  # dispatch as soon as this many are queued
+    batch_timeout_ms: int = 500  # or when the oldest queued request waited this long
+
+    def __post_init__(self):
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                    "max_batch_size", "preferred_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "kv_cache_memory", "max_resident_experts", "expert_cache_bytes",
+                     "max_session_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or unset, got {value}")
+        if self.speculative_num_tokens < 0:
+            raise ValueError(f"speculative_num_tokens must be >= 0, got {self.speculative_num_tokens}")
+        if self.batch_timeout_ms < 0:
+            raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms}")
+        if self.preferred_batch_size > self.max_batch_size:
+            raise ValueError(f"preferred_batch_size ({self.preferred_batch_size}) must be <= "
+                             f"max_batch_size ({self.max_batch_size})")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({self.max_model_len}) so every prompt fits a step")

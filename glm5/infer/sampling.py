@@ -1,0 +1,291 @@
+"""Sampling: `SamplingParams` (vLLM names, defaults and checks) and the batched `Sampler`.
+
+The sampler works on rows of fp32 logits [N, V], one row per sampled position (a request with
+speculative drafts has several rows). Processing order follows vLLM v1: min_tokens masking,
+penalties, greedy argmax (temperature 0), temperature, min-p, top-k, top-p, then sampling with each
+row's own `torch.Generator` (when the request is seeded), so a seeded request draws the same tokens
+whatever else is in the batch. Logprobs are always the log_softmax of the *raw* model logits
+(vLLM's default `raw_logprobs`): penalties, temperature and truncation do not change them.
+Knows nothing about blocks or scheduling. Legend: N rows, V vocabulary, K top logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Sequence = list[int] | tuple[int, ...]
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """Per-request generation controls (vLLM names and defaults)."""
+
+    n: int = 1  # number of completions (child requests sharing the prompt)
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob
+    repetition_penalty: float = 1.0  # > 0; applied to prompt and output tokens
+    presence_penalty: float = 0.0  # in [-2, 2]; output tokens only
+    frequency_penalty: float = 0.0  # in [-2, 2]; output tokens only
+    seed: int | None = None  # per-request generator seed (child i of n uses seed + i)
+    stop: list[str] = field(default_factory=list)  # stop strings (str is accepted too)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in output)
+    ignore_eos: bool = False  # keep generating past EOS
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0  # EOS/stop tokens are masked before this many output tokens
+    logprobs: int | None = None  # top-N logprobs per output token (-1 = whole vocabulary)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (-1 = whole vocabulary)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0  # beam score = sum logprob / generated_len ** length_penalty
+    early_stopping: bool | Literal["never"] = False  # HF semantics
+    temperature_schedule: tuple[float, float] | None = None  # linear (start, end) over max_tokens
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        if self.temperature_schedule is not None:
+            self.temperature_schedule = tuple(float(t) for t in self.temperature_schedule)
+        for msg in self._errors():
+            raise ValueError(msg)
+
+    def _errors(self):
+        if self.n < 1:
+            yield f"n must be >= 1, got {self.n}"
+        if self.temperature < 0:
+            yield f"temperature must be >= 0, got {self.temperature}"
+        if not 0 < self.top_p <= 1:
+            yield f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < -1:
+            yield f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}"
+        if not 0 <= self.min_p <= 1:
+            yield f"min_p must be in [0, 1], got {self.min_p}"
+        if self.repetition_penalty <= 0:
+            yield f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
+        if self.max_tokens is not None and self.max_tokens < 1:
+            yield f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.min_tokens < 0:
+            yield f"min_tokens must be >= 0, got {self.min_tokens}"
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            yield f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < -1:
+                yield f"{name} must be None, -1 (all) or >= 0, got {v}"
+        if any(not s for s in self.stop):
+            yield "stop must not contain empty strings"
+        yield from self._beam_errors()
+
+    def _beam_errors(self):
+        if self.beam_width < 1:
+            yield f"beam_width must be >= 1, got {self.beam_width}"
+        if self.early_stopping not in (True, False, "never"):
+            yield f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+        if self.use_beam_search and self.temperature != 0:
+            yield f"temperature must be 0 with use_beam_search, got {self.temperature}"
+        if self.temperature_schedule is not None:
+            if len(self.temperature_schedule) != 2 or min(self.temperature_schedule) < 0:
+                yield f"temperature_schedule must be (start, end) >= 0, got {self.temperature_schedule}"
+            if self.max_tokens is None:
+                yield "temperature_schedule needs max_tokens (the schedule spans max_tokens steps)"
+
+    def temperature_at(self, num_output_tokens: int) -> float:
+        """Temperature for the next token; a schedule goes linearly from start to end over max_tokens."""
+        if self.temperature_schedule is None:
+            return self.temperature
+        start, end = self.temperature_schedule
+        frac = min(num_output_tokens / max(self.max_tokens - 1, 1), 1.0)
+        return start + (end - start) * frac
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature_schedule is None and self.temperature == 0
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one row: the request's params and its tokens so far."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence
+    output_token_ids: Sequence  # tokens before this row's position (drafts included for spec rows)
+    generator: torch.Generator | None = None
+    stop_ids_until_min: Sequence = ()  # eos + stop ids: masked while len(output) < min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled ids [N]; optional logprobs: column 0 is the sampled token, then the top-K."""
+
+    token_ids: torch.Tensor  # [N] long
+    logprob_token_ids: torch.Tensor | None = None  # [N, 1 + K] long
+    logprobs: torch.Tensor | None = None  # [N, 1 + K] fp32
+    sampled_ranks: torch.Tensor | None = None  # [N] rank of the sampled token (1 = most likely)
+
+
+class Sampler:
+    """Batched sampling over rows of logits; `generator` serves unseeded rows."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [N, V] (any float dtype; processed in fp32) -> SamplerOutput."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per SamplingRow"
+        raw = logits.float()
+        x = apply_min_tokens(raw.clone(), rows)
+        x = apply_penalties(x, rows)
+        token_ids = self._sample(x, rows)
+        out = SamplerOutput(token_ids=token_ids)
+        num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if num_logprobs:
+            k = raw.shape[1] if -1 in num_logprobs else max(num_logprobs)
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(raw, token_ids, k)
+        return out
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        n = x.shape[0]
+        temps = [r.params.temperature_at(len(r.output_token_ids)) for r in rows]
+        greedy = torch.tensor([t == 0 for t in temps], device=x.device)
+        token_ids = x.argmax(dim=-1)  # [N]
+        if bool(greedy.all()):
+            return token_ids
+        temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)
+        x = x / temp[:, None]
+        x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=x.device))
+        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else x.shape[1] for r in rows],
+                             device=x.device)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=x.device)
+        probs = torch.softmax(apply_top_k_top_p(x, top_k, top_p), dim=-1)  # [N, V]
+        # Exponential race: argmax(p / q), q ~ Exp(1), is a draw from p; each row's q comes from the
+        # row's own generator, so a seeded row's draw does not depend on the other rows.
+        q = torch.empty_like(probs)
+        unseeded = [i for i in range(n) if rows[i].generator is None]
+        if unseeded:
+            q[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self.generator)
+        for i in range(n):
+            if rows[i].generator is not None:
+                q[i].exponential_(generator=rows[i].generator)
+        sampled = (probs / q).argmax(dim=-1)  # [N]
+        return torch.where(greedy, token_ids, sampled)
+
+
+def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask EOS/stop ids (-inf) for rows that have fewer than min_tokens output tokens."""
+    for i, r in enumerate(rows):
+        if r.stop_ids_until_min and len(r.output_token_ids) < r.params.min_tokens:
+            x[i, list(r.stop_ids_until_min)] = float("-inf")
+    return x
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM penalties. Repetition (prompt + output tokens): divide positive logits by the penalty,
+    multiply negative ones. Frequency/presence (output tokens only): subtract f * count and p * seen."""
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    if all(v == 1.0 for v in rep) and not any(freq) and not any(pres):
+        return x
+    n, v = x.shape
+    counts = torch.zeros(n, v, device=x.device)  # [N, V] output-token counts
+    seen_in_prompt = torch.zeros(n, v, dtype=torch.bool, device=x.device)  # [N, V]
+    for i, r in enumerate(rows):
+        if r.output_token_ids:
+            ids = torch.tensor(r.output_token_ids, device=x.device)
+            counts[i].index_add_(0, ids, torch.ones(len(ids), device=x.device))
+        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
+            seen_in_prompt[i, torch.tensor(r.prompt_token_ids, device=x.device)] = True
+    rep_t = torch.tensor(rep, device=x.device)[:, None]
+    seen = seen_in_prompt | (counts > 0)
+    penalised = torch.where(x > 0, x / rep_t, x * rep_t)
+    x = torch.where(seen, penalised, x)
+    x = x - torch.tensor(freq, device=x.device)[:, None] * counts
+    return x - torch.tensor(pres, device=x.device)[:, None] * (counts > 0).float()
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p * (max probability) of their row."""
+    if not bool((min_p > 0).any()):
+        return x
+    probs = torch.softmax(x, dim=-1)  # [N, V]
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k tokens, then the smallest set whose mass reaches top_p (>= 1 token)."""
+    if bool((top_k >= x.shape[1]).all()) and bool((top_p >= 1).all()):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
+    ranks = torch.arange(x.shape[1], device=x.device)[None, :]
+    sorted_x = sorted_x.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [N, V] mass of strictly more likely tokens
+    sorted_x = sorted_x.masked_fill((mass_before >= top_p[:, None]) & (ranks > 0), float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int):
+    """log_softmax of raw logits -> ([N, 1+K] ids, [N, 1+K] logprobs, [N] rank of token_ids)."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    sampled_lp = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1  # [N]
+    ids = torch.cat([token_ids[:, None], top_ids], dim=1)
+    return ids, torch.cat([sampled_lp, top_lp], dim=1), ranks
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence, k: int):
+    """Prompt logprobs from a prompt's logits [T, V] (position t predicts token t + 1).
+
+    Returns (ids [T-1, 1+K], logprobs [T-1, 1+K], ranks [T-1]) for prompt tokens 1..T-1; column 0 is the
+    prompt token itself. The first prompt token has no logprob (vLLM reports None for it)."""
+    targets = torch.as_tensor(prompt_token_ids[1:], device=logits.device)
+    k = logits.shape[1] if k == -1 else k
+    return gather_logprobs(logits[:-1], targets, k)
+
+
+def spec_verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: Sequence,
+                generator: torch.Generator | None = None, greedy: bool = False) -> list[int]:
+    """Speculative-decoding acceptance for one request: accepted draft tokens plus one more token.
+
+    target_probs [k+1, V]: target distribution at each draft position and the bonus position.
+    draft_probs [k, V] or None (a deterministic draft, e.g. greedy MTP: q is one-hot at the draft).
+    Greedy: accept while the draft equals the target argmax, then emit the target argmax (exact).
+    Sampling: accept d with prob min(1, p(d)/q(d)); on rejection draw from norm(max(p - q, 0)) and stop;
+    if all are accepted draw the bonus from p[k]. The output follows the target distribution exactly.
+    """
+    k = len(draft_tokens)
+    assert target_probs.shape[0] == k + 1, "target_probs needs k + 1 rows"
+    out: list[int] = []
+    for i, d in enumerate(draft_tokens):
+        p = target_probs[i]
+        if greedy:
+            best = int(p.argmax())
+            out.append(best)
+            if best != d:
+                return out
+            continue
+        q = draft_probs[i] if draft_probs is not None else torch.nn.functional.one_hot(
+            torch.tensor(d), p.shape[0]).to(p.dtype)
+        u = torch.rand((), generator=generator, device=p.device)
+        if q[d] > 0 and u * q[d] <= p[d]:
+            out.append(int(d))
+            continue
+        residual = (p - q).clamp(min=0)
+        residual = residual if residual.sum() > 0 else p
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    last = target_probs[k]
+    bonus = last.argmax() if greedy else torch.multinomial(last, 1, generator=generator)
+    return out + [int(bonus)]

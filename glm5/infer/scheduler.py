@@ -1,0 +1,274 @@
+"""`Scheduler`: waiting/running queues, token-budget scheduling, preemption, and stop conditions.
+
+Each step is `schedule() -> ScheduleOutput`, the runner computes the scheduled tokens and samples,
+then `update(out, sampled) -> finished`. There is no prefill or decode phase (vLLM v1): a request
+has `num_tokens` and `num_computed_tokens`, and each step gives it min(gap, budget) tokens, so chunked
+prefill, prefix-cache hits, recompute after preemption and speculative drafts are all "schedule some
+tokens". Running requests go first (in admission order), then waiting ones (FIFO). When blocks run
+out, the latest-admitted running request is preempted: its blocks are freed and it goes back to the
+front of the waiting queue, to be recomputed from its prompt + output tokens.
+The scheduler owns the `BlockManager`; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from glm5.infer.block_manager import BlockManager, cdiv
+from glm5.infer.config import EngineConfig
+from glm5.infer.outputs import PositionLogprobs
+from glm5.infer.request import Request, RequestStatus, check_stop_strings
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute tokens [start, start + num_tokens) of
+    `request.all_token_ids + spec_token_ids`, whose KV goes to slots of `request.block_ids`."""
+
+    request: Request
+    num_tokens: int
+    start: int  # num_computed_tokens when scheduled = position of the first token
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts at the end of the chunk
+    is_new: bool = False  # first admission or resumed after preemption: the runner (re)builds state
+    is_resumed: bool = False  # admitted again after a preemption
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the last known token, so the runner must sample (1 + drafts rows)."""
+        return self.start + self.num_tokens - len(self.spec_token_ids) >= self.request.num_tokens
+
+
+@dataclass
+class ScheduleOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # finished/aborted since the last step
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def new_request_ids(self) -> list[str]:
+        return [s.request_id for s in self.scheduled if s.is_new]
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager | None = None):
+        self.config = config
+        if block_manager is None:
+            if config.num_blocks is None:
+                raise ValueError("Scheduler needs a BlockManager or config.num_blocks")
+            block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = block_manager
+        needed = cdiv(config.max_model_len + config.speculative_num_tokens, block_manager.block_size)
+        if needed > block_manager.num_blocks:
+            raise ValueError(f"{block_manager.num_blocks} KV blocks cannot hold one request of max_model_len "
+                             f"{config.max_model_len} ({needed} blocks); lower max_model_len or add KV memory")
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens == 0:
+            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+        if req.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(f"request {req.request_id!r}: the prompt has {req.num_prompt_tokens} tokens, "
+                             f"more than max_model_len={self.config.max_model_len}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request now and free its blocks. Returns it, or None if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._finish(req)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
+                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": self.num_preemptions}
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        # 1. Running requests, oldest first: decodes, remaining prefill chunks, draft tokens.
+        for req in list(self.running):
+            if budget == 0 or req.status is not RequestStatus.RUNNING:
+                break  # out of budget, or `req` was preempted to make room for an older request
+            num_new, num_drafts = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                continue
+            if not self._allocate_or_preempt(req, num_new, preempted):
+                break  # `req` preempted itself: it was the last running request
+            scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                              req.spec_token_ids[:num_drafts]))
+            budget -= num_new
+
+        # 2. Waiting requests (new or preempted), FIFO; none if this step had to preempt.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._waits_for_sibling(req):
+                skipped.append(req)  # admit it once its sibling's prompt blocks are cached
+                continue
+            computed = self.block_manager.get_computed_blocks(req)
+            num_new = req.num_tokens - computed.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                self.waiting.appendleft(req)
+                break
+            num_new = min(num_new, budget)
+            if self.block_manager.allocate_slots(req, num_new, computed, self.config.speculative_num_tokens) is None:
+                self.waiting.appendleft(req)
+                break  # no blocks: wait for running requests to finish
+            scheduled.append(self._admit(req, computed.num_tokens, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+        finished, self._finished_ids = self._finished_ids, []
+        return ScheduleOutput(scheduled, preempted, finished)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> tuple[int, int]:
+        """Tokens to compute for a running request this step, and how many of them are drafts."""
+        gap = req.num_tokens - req.num_computed_tokens
+        limit = min(budget, self.config.max_model_len - req.num_computed_tokens)
+        num_new = min(gap + len(req.spec_token_ids), limit)
+        return num_new, max(num_new - gap, 0)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate slots for `req`, preempting the latest-admitted running requests until it fits.
+        False if `req` itself had to be preempted."""
+        lookahead = self.config.speculative_num_tokens
+        while self.block_manager.allocate_slots(req, num_new, num_lookahead_tokens=lookahead) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        req.metrics.num_preemptions = req.num_preemptions
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Request, num_cached: int, num_new: int) -> ScheduledRequest:
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+            req.metrics.num_cached_tokens = num_cached
+            req.metrics.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        return ScheduledRequest(req, num_new, num_cached, is_new=True, is_resumed=req.num_preemptions > 0)
+
+    def _waits_for_sibling(self, req: Request) -> bool:
+        """A child of an n > 1 request waits while a running sibling is still computing the prompt's full
+        blocks: admitted one step later it reuses them from the prefix cache instead of recomputing."""
+        if req.parent_id is None or not self.block_manager.enable_prefix_caching:
+            return False
+        bs = self.block_manager.block_size
+        full = req.num_prompt_tokens // bs * bs
+        return any(r.parent_id == req.parent_id and r.num_computed_tokens < full for r in self.running)
+
+    # ---- after the runner -------------------------------------------------------------------------
+
+    def update(self, out: ScheduleOutput, sampled: dict[str, list[int]],
+               logprobs: dict[str, list[PositionLogprobs]] | None = None,
+               draft_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
+        """Apply a step's results: `sampled[id]` holds the accepted drafts plus one sampled token (one
+        token without drafts; nothing for a prefill chunk that did not reach the end). Appends tokens,
+        checks stop conditions, registers newly full blocks in the prefix cache, stores the next drafts.
+        Returns the requests that finished this step (their blocks are already freed)."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted (or preempted) after schedule()
+            tokens = sampled.get(req.request_id, []) if s.samples else []
+            num_rejected = len(s.spec_token_ids) + 1 - len(tokens) if tokens else len(s.spec_token_ids)
+            req.num_computed_tokens += s.num_tokens - num_rejected
+            req.spec_token_ids = []
+            if tokens:
+                self._append_and_check(req, tokens, (logprobs or {}).get(req.request_id))
+            self.block_manager.cache_blocks(req)
+            if req.is_finished:
+                self._finish(req)
+                finished.append(req)
+            elif draft_token_ids and req.request_id in draft_token_ids:
+                req.spec_token_ids = list(draft_token_ids[req.request_id])
+        return finished
+
+    def _append_and_check(self, req: Request, tokens: list[int], logprobs: list[PositionLogprobs] | None):
+        for j, token in enumerate(tokens):
+            new_text = req.append_output_token_ids([token])
+            if logprobs is not None and req.logprobs is not None:
+                req.logprobs.append(logprobs[j])
+                req.cumulative_logprob += logprobs[j][token].logprob
+            if self._check_stop(req, token, len(new_text)):
+                return  # tokens after a stop (accepted drafts) are dropped
+
+    def _check_stop(self, req: Request, token: int, num_new_chars: int) -> bool:
+        """Stop conditions after appending `token` (none before min_tokens output tokens)."""
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in req.stop_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = None if token in req.eos_token_ids and not p.ignore_eos else token
+                return True
+            hit = check_stop_strings(req.output_text, num_new_chars, p.stop, p.include_stop_str_in_output)
+            if p.stop and hit is not None:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason, keep = hit
+                req.output_text = req.output_text[:keep]
+                return True
+        max_tokens = p.max_tokens if p.max_tokens is not None else self.config.max_model_len
+        if req.num_output_tokens >= max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.block_manager.free(req)
+        req.metrics.finished_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
