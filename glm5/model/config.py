@@ -187,7 +187,8 @@ class ModelConfig:
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "extra" and (getattr(self, f.name) is not None or f.name in _KEEP_NULL)}
         out.update(self.extra)
         return json.loads(json.dumps(out))  # deep copy, JSON types only
 
@@ -250,6 +251,11 @@ class ModelConfig:
     @property
     def moe_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.mlp_layer_types) if t == "sparse"]
+
+
+# Optional keys written as null when unset; every other unset optional key is left out of config.json
+# (transformers' GlmMoeDsaConfig, for one, cannot take `index_topk_freq: null`).
+_KEEP_NULL = {"pad_token_id", "bos_token_id", "eos_token_id"}
 
 
 def _derive_indexer_types(cfg: ModelConfig) -> list[str]:

@@ -1,0 +1,314 @@
+"""Packed, mixed, curriculum-scheduled, rank-sharded, resumable pretraining batches.
+
+Owns `DataLoaderConfig` (the `[data]` section of a training TOML), the per-group document streams,
+row packing and the batch dicts of docs/CONTRACTS.md:
+  input_ids [B,T], labels [B,T] (-100 = no loss), position_ids [B,T] (restart per document),
+  segment_ids [B,T] (1.. per packed piece, 0 = padding; attend only within a segment), and, when
+  `infill_ratio > 0`, attention_mask [B,T,T] bool (True = may attend) + block_position_ids [B,T].
+Labels are already aligned: `labels[b, t]` is the target of `logits[b, t]` (do not shift again).
+
+Mixing (seed D3): each row is filled from one group (domain, lang or source), drawn with the current
+stage's weights; a stage also sets the sequence length. Every rank walks a disjoint slice of each
+group's per-epoch permutation, and each row's randomness is a pure function of (seed, rank, row), so
+`state_dict()` (step, row counter, stream cursors) resumes the exact batch sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+import numpy as np
+import torch
+
+from glm5.core import dist
+from glm5.data.infilling import IGNORE, InfillConfig, InfillTokens, make_infill_sample
+from glm5.data.shards import TokenShards
+
+
+@dataclass(kw_only=True)
+class StageConfig:
+    """One curriculum stage."""
+
+    until_step: int = 0
+    """The stage covers steps < until_step (0 = to the end; only the last stage)."""
+    seq_len: int = 512
+    """Row length in tokens during this stage."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Group (see `mix_by`) -> sampling weight; {} = proportional to each group's tokens."""
+
+
+@dataclass(kw_only=True)
+class DataLoaderConfig:
+    """The `[data]` section: where the shards are and how batches are built."""
+
+    train_path: str = "runs/data/tokens/train"
+    """Shard directory written by `glm5 data tokenize`."""
+    val_path: str = "runs/data/tokens/validation"
+    """Validation shard directory (`eval_batches`)."""
+    batch_size: int = 8
+    """Rows per batch, per rank."""
+    seq_len: int = 512
+    """Row length when `stages` is empty."""
+    seed: int = 1234
+    """Seeds document order, group draws and infilling."""
+    mix_by: Literal["domain", "lang", "source"] = "domain"
+    """Document field the mixture weights refer to."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights when `stages` is empty ({} = proportional to tokens)."""
+    stages: list[StageConfig] = field(default_factory=list)
+    """Curriculum (seed D3): ordered stages with `until_step`, `seq_len`, `weights`."""
+    infill_ratio: float = 0.0
+    """Fraction of rows trained with GLM blank infilling (seed M4) instead of causal LM."""
+    infill: InfillConfig = field(default_factory=InfillConfig)
+    """Blank-infilling settings."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.infill_ratio <= 1.0:
+            raise ValueError("infill_ratio must be in [0, 1]")
+        if self.batch_size < 1 or self.seq_len < 2:
+            raise ValueError("batch_size must be >= 1 and seq_len >= 2")
+        for i, st in enumerate(self.stages):
+            if st.seq_len < 2:
+                raise ValueError(f"stages[{i}].seq_len must be >= 2")
+            if st.until_step < 0 or (st.until_step == 0 and i < len(self.stages) - 1):
+                raise ValueError(f"stages[{i}].until_step must be > 0 (only the last stage may be 0)")
+            if i and 0 < st.until_step <= self.stages[i - 1].until_step:
+                raise ValueError(f"stages[{i}].until_step must increase")
+
+    def stage_at(self, step: int) -> StageConfig:
+        """The stage that applies at `step` (the last one once every until_step is passed)."""
+        for st in self.stages:
+            if st.until_step <= 0 or step < st.until_step:
+                return st
+        if self.stages:
+            return self.stages[-1]
+        return StageConfig(until_step=0, seq_len=self.seq_len, weights=self.weights)
+
+
+class DocStream:
+    """One group's documents for one rank: epoch-wise permutation, rank slice, cursor (pos, offset)."""
+
+    def __init__(self, shards: TokenShards, docs: np.ndarray, seed: int, key: int, rank: int, world: int,
+                 shuffle: bool = True):
+        if len(docs) < world:
+            raise ValueError(f"a group has {len(docs)} documents, fewer than the {world} ranks")
+        self.shards, self.docs, self.seed, self.key, self.rank, self.world = shards, docs, seed, key, rank, world
+        self.shuffle = shuffle
+        self.epoch, self.pos, self.offset = 0, 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> np.ndarray:
+        perm = np.random.default_rng([self.seed, self.key, self.epoch]).permutation(self.docs) \
+            if self.shuffle else self.docs
+        return perm[self.rank:: self.world]
+
+    def current(self) -> tuple[int, np.ndarray]:
+        """(doc index, its not yet consumed tokens)."""
+        doc = int(self._order[self.pos])
+        return doc, self.shards.doc(doc)[self.offset:]
+
+    def advance(self, n: int, remaining: int) -> None:
+        """Consume n of the `remaining` tokens of the current document."""
+        if n >= remaining:
+            self.pos, self.offset = self.pos + 1, 0
+            if self.pos == len(self._order):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._epoch_order()
+        else:
+            self.offset += n
+
+    def state(self) -> list[int]:
+        return [self.epoch, self.pos, self.offset]
+
+    def load(self, state: list[int]) -> None:
+        self.epoch, self.pos, self.offset = map(int, state)
+        self._order = self._epoch_order()
+
+
+class Row:
+    """Builds one packed row of length T from pieces (causal or infill)."""
+
+    def __init__(self, T: int, pad_id: int):
+        self.T, self.pad_id, self.n, self.seg = T, pad_id, 0, 0
+        self.input_ids = np.full(T, pad_id, dtype=np.int64)
+        self.labels = np.full(T, IGNORE, dtype=np.int64)
+        self.position_ids = np.zeros(T, dtype=np.int64)
+        self.block_position_ids = np.zeros(T, dtype=np.int64)
+        self.segment_ids = np.zeros(T, dtype=np.int64)
+        self.blocks: list[tuple[int, int, np.ndarray | None]] = []  # (start, len, mask or None=causal)
+
+    @property
+    def room(self) -> int:
+        return self.T - self.n
+
+    def add(self, input_ids, labels, position_ids, block_position_ids=None, mask=None) -> None:
+        s, L = self.n, len(input_ids)
+        self.seg += 1
+        self.input_ids[s: s + L] = input_ids
+        self.labels[s: s + L] = labels
+        self.position_ids[s: s + L] = position_ids
+        if block_position_ids is not None:
+            self.block_position_ids[s: s + L] = block_position_ids
+        self.segment_ids[s: s + L] = self.seg
+        self.blocks.append((s, L, mask))
+        self.n += L
+
+    def add_causal(self, tokens: np.ndarray) -> None:
+        labels = np.append(np.asarray(tokens[1:], dtype=np.int64), IGNORE)
+        self.add(tokens, labels, np.arange(len(tokens)))
+
+    def attention_mask(self) -> np.ndarray:
+        """[T, T] bool: causal within causal pieces, the GLM mask within infill pieces, padding alone."""
+        m = np.zeros((self.T, self.T), dtype=bool)
+        for s, L, mask in self.blocks:
+            m[s: s + L, s: s + L] = np.tril(np.ones((L, L), dtype=bool)) if mask is None else mask
+        pad = np.arange(self.n, self.T)
+        m[pad, pad] = True  # padding attends to itself only: no empty softmax rows
+        return m
+
+
+class PackedLoader:
+    """Infinite iterator of training batches; see the module docstring."""
+
+    def __init__(self, cfg: DataLoaderConfig, rank: int | None = None, world_size: int | None = None,
+                 shards: TokenShards | None = None):
+        self.cfg = cfg
+        self.rank = dist.rank() if rank is None else rank
+        self.world = dist.world_size() if world_size is None else world_size
+        self.shards = shards or TokenShards(cfg.train_path)
+        self.pad_id = int(self.shards.meta.get("pad_token_id", 0))
+        groups = self.shards.groups(cfg.mix_by)
+        self.group_names = sorted(groups)
+        self.group_tokens = {g: int(self.shards.doc_len[d].sum()) for g, d in groups.items()}
+        self.streams = {g: DocStream(self.shards, groups[g], cfg.seed, k, self.rank, self.world)
+                        for k, g in enumerate(self.group_names)}
+        self.infill_ids = InfillTokens.from_special_tokens(self.shards.special_tokens) \
+            if cfg.infill_ratio > 0 else None
+        self.sentence_end_ids = self.shards.sentence_end_ids
+        self.step, self.rows = 0, 0
+        for st in cfg.stages or [cfg.stage_at(0)]:
+            self._probs(st)  # validate every stage's weights up front
+
+    def _probs(self, stage: StageConfig) -> np.ndarray:
+        if not stage.weights:
+            w = np.array([self.group_tokens[g] for g in self.group_names], dtype=np.float64)
+        else:
+            unknown = sorted(set(stage.weights) - set(self.group_names))
+            if unknown:
+                raise ValueError(f"mixture weights name {unknown}, but the data's {self.cfg.mix_by} "
+                                 f"values are {self.group_names}")
+            w = np.array([stage.weights.get(g, 0.0) for g in self.group_names], dtype=np.float64)
+        if w.sum() <= 0 or w.min() < 0:
+            raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {stage.weights}")
+        return w / w.sum()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        stage = self.cfg.stage_at(self.step)
+        probs = self._probs(stage)
+        rows = [self._build_row(stage.seq_len, probs) for _ in range(self.cfg.batch_size)]
+        self.step += 1
+        return collate(rows, with_mask=self.cfg.infill_ratio > 0)
+
+    def _build_row(self, T: int, probs: np.ndarray) -> Row:
+        rng = np.random.default_rng([self.cfg.seed, self.rank, self.rows, 7])
+        self.rows += 1
+        stream = self.streams[self.group_names[int(rng.choice(len(probs), p=probs))]]
+        row = Row(T, self.pad_id)
+        infill = self.infill_ids is not None and rng.random() < self.cfg.infill_ratio
+        while row.room >= 2:
+            if infill and row.room >= self.cfg.infill.min_tokens + 2:
+                self._add_infill(row, stream, rng)
+            else:
+                self._add_causal(row, stream)
+        return row
+
+    def _add_causal(self, row: Row, stream: DocStream) -> None:
+        _, rest = stream.current()
+        take = min(len(rest), row.room)
+        row.add_causal(np.asarray(rest[:take], dtype=np.int64))
+        # A document cut at the row's end continues in the next row from its last token again, so
+        # every token but a document's first is a target exactly once.
+        stream.advance(take if take == len(rest) else take - 1, len(rest))
+
+    def _add_infill(self, row: Row, stream: DocStream, rng: np.random.Generator) -> None:
+        _, rest = stream.current()
+        n = min(len(rest), row.room - 2)
+        if n < self.cfg.infill.min_tokens:  # short tail of a document: plain causal LM
+            self._add_causal(row, stream)
+            return
+        while True:  # each span adds 2 tokens (mask + <sop>); shrink the piece until it fits
+            sample = make_infill_sample(np.asarray(rest[:n], dtype=np.int64), rng, self.cfg.infill,
+                                        self.infill_ids, self.sentence_end_ids)
+            over = len(sample.input_ids) - row.room
+            if over <= 0:
+                break
+            n -= over
+            if n < self.cfg.infill.min_tokens:
+                self._add_causal(row, stream)
+                return
+        row.add(sample.input_ids, sample.labels, sample.position_ids, sample.block_position_ids,
+                sample.attention_mask())
+        stream.advance(n, len(rest))
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "rows": self.rows, "rank": self.rank, "world_size": self.world,
+                "seed": self.cfg.seed, "mix_by": self.cfg.mix_by,
+                "streams": {g: s.state() for g, s in self.streams.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("rank", self.rank), ("world_size", self.world), ("seed", self.cfg.seed),
+                          ("mix_by", self.cfg.mix_by)):
+            if state[key] != mine:
+                raise ValueError(f"loader state has {key}={state[key]!r}, this loader {mine!r}")
+        if sorted(state["streams"]) != self.group_names:
+            raise ValueError(f"loader state groups {sorted(state['streams'])} != data's {self.group_names}")
+        self.step, self.rows = int(state["step"]), int(state["rows"])
+        for g, s in state["streams"].items():
+            self.streams[g].load(s)
+
+
+def collate(rows: list[Row], with_mask: bool) -> dict[str, torch.Tensor]:
+    """Stack rows into the batch dict of docs/CONTRACTS.md."""
+    stack = lambda name: torch.from_numpy(np.stack([getattr(r, name) for r in rows]))  # noqa: E731
+    batch = {"input_ids": stack("input_ids"), "labels": stack("labels"),
+             "position_ids": stack("position_ids"), "segment_ids": stack("segment_ids")}
+    if with_mask:
+        batch["attention_mask"] = torch.from_numpy(np.stack([r.attention_mask() for r in rows]))  # [B,T,T]
+        batch["block_position_ids"] = stack("block_position_ids")
+    return batch
+
+
+def eval_batches(path: str, seq_len: int, batch_size: int, rank: int | None = None,
+                 world_size: int | None = None, max_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """One deterministic pass over a shard directory (documents in order, sharded by rank), packed
+    as causal LM rows; the last batch may be short. For validation loss / perplexity."""
+    rank = dist.rank() if rank is None else rank
+    world = dist.world_size() if world_size is None else world_size
+    shards = TokenShards(path)
+    pad_id = int(shards.meta.get("pad_token_id", 0))
+    stream = DocStream(shards, np.arange(len(shards)), 0, 0, rank, world, shuffle=False)
+    rows, done = [], 0
+    while stream.epoch == 0:
+        row = Row(seq_len, pad_id)
+        while row.room >= 2 and stream.epoch == 0:
+            _, rest = stream.current()
+            take = min(len(rest), row.room)
+            row.add_causal(np.asarray(rest[:take], dtype=np.int64))
+            stream.advance(take if take == len(rest) else take - 1, len(rest))
+        rows.append(row)
+        if len(rows) == batch_size or stream.epoch > 0:
+            yield collate(rows, with_mask=False)
+            rows, done = [], done + 1
+            if max_batches and done >= max_batches:
+                return
+
+
+def stage_table(cfg: DataLoaderConfig) -> list[dict]:
+    """The curriculum as plain dicts (for logs)."""
+    return [dataclasses.asdict(s) for s in (cfg.stages or [cfg.stage_at(0)])]

@@ -1,0 +1,109 @@
+"""JSONL(.gz) shard I/O: streaming readers, atomic deterministic writers, input sharding.
+
+Writers go to a temporary sibling and `os.replace` into place, so a crash never leaves a half-written
+shard; gzip headers carry no mtime or name, so identical content gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from glm5.core.io import atomic_write_json
+
+
+def open_text(path: str | Path):
+    path = str(path)
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict]:
+    with open_text(path) as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def write_jsonl(path: str | Path, docs: Iterable[dict]) -> int:
+    """Atomically write `docs` as (gzip if `.gz`) JSONL; returns the number written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    n = 0
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            sink = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if path.suffix == ".gz" else raw
+            for d in docs:
+                sink.write((json.dumps(d, ensure_ascii=False) + "\n").encode("utf-8"))
+                n += 1
+            if sink is not raw:
+                sink.close()  # writes the gzip trailer; does not close `raw`
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return n
+
+
+def expand_inputs(patterns: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for p in patterns:
+        matches = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
+        files += [Path(m) for m in matches]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise FileNotFoundError(f"input files not found: {missing or patterns}")
+    return files
+
+
+def make_input_shards(patterns: list[str], text_key: str, shard_docs: int, out_dir: Path, limit: int = 0) -> dict:
+    """Stream the inputs into `out_dir/input-NNNNN.jsonl.gz` of `shard_docs` documents each.
+
+    Idempotent: `out_dir/manifest.json` is written last and, if present, the sharding is not redone.
+    Documents missing an `id` get `<file stem>/<line number>`; `text_key` is renamed to `text`.
+    """
+    manifest = out_dir / "manifest.json"
+    if manifest.is_file():
+        return json.loads(manifest.read_text())
+    buf, shards, total = [], [], 0
+    for doc in _iter_inputs(expand_inputs(patterns), text_key):
+        if limit and total >= limit:
+            break
+        buf.append(doc)
+        total += 1
+        if len(buf) == shard_docs:
+            shards.append(_flush(out_dir, len(shards), buf))
+            buf = []
+    if buf:
+        shards.append(_flush(out_dir, len(shards), buf))
+    info = {"num_docs": total, "shards": shards}
+    atomic_write_json(manifest, info)
+    return info
+
+
+def _flush(out_dir: Path, index: int, docs: list[dict]) -> dict:
+    path = out_dir / f"input-{index:05d}.jsonl.gz"
+    write_jsonl(path, docs)
+    return {"path": path.name, "num_docs": len(docs)}
+
+
+def _iter_inputs(files: list[Path], text_key: str) -> Iterator[dict]:
+    for f in files:
+        stem = f.name.split(".")[0]
+        for i, doc in enumerate(read_jsonl(f)):
+            if text_key != "text":
+                doc["text"] = doc.pop(text_key)
+            if not isinstance(doc.get("text"), str):
+                raise ValueError(f"{f}:{i + 1}: no string field {text_key!r}")
+            doc.setdefault("id", f"{stem}/{i}")
+            yield doc

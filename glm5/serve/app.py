@@ -1,0 +1,264 @@
+"""The FastAPI application: routes, auth, body bounds, OpenAI error objects, request ids, model versions.
+
+`create_app(engine, tokenizer, config)` wraps a synchronous `LLMEngine` (driven by `AsyncEngine` in one
+background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
+`/metrics`, `/tokenize`, `/detokenize` and the expert hot-swap admin routes. Every client mistake maps to
+a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500 means a server bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from glm5.serve import admin
+from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded
+from glm5.serve.common import APIError, ServerState
+from glm5.serve.config import ServerConfig
+from glm5.serve.metrics import ServerMetrics
+from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                 now)
+from glm5.serve.serving_chat import create_chat_completion, render_prompt
+from glm5.serve.serving_completion import create_completion
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+           headers=None) -> JSONResponse:
+    e = APIError(status, message, type_, param, code, headers)
+    return JSONResponse(e.body(), status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: buffer the request body up to a bound (413 beyond), then replay it."""
+
+    def __init__(self, app, max_bytes: int, max_admin_bytes: int):
+        self.app, self.max_bytes, self.max_admin_bytes = app, max_bytes, max_admin_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        limit = self.max_admin_bytes if scope["path"].startswith("/admin/") else self.max_bytes
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _error(413, f"request body larger than {limit} bytes", param="body")(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            size += len(msg.get("body", b""))
+            if size > limit:
+                return await _error(413, f"request body larger than {limit} bytes", param="body")(
+                    scope, receive, send)
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _check_bearer(request: Request, key: str | None, what: str) -> None:
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, f"missing or invalid {what} (Authorization: Bearer ...)", "authentication_error",
+                       code="invalid_api_key")
+
+
+async def _until_disconnect(request: Request, coro):
+    """Run a non-streaming handler; cancel it (aborting its engine request) if the client goes away."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise APIError(499, "client disconnected", code="client_closed_request")
+
+
+def _json_response(body: dict, request: Request) -> JSONResponse:
+    version = body.pop("_model_version", None)
+    headers = {"X-Model-Version": str(version)} if version is not None else None
+    return JSONResponse(body, headers=headers)
+
+
+def create_app(engine, tokenizer=None, config: ServerConfig | None = None, model_name: str | None = None,
+               max_model_len: int | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    tokenizer = tokenizer or engine.tokenizer
+    engine_cfg = getattr(engine, "config", None)
+    name = config.served_model_name or model_name or Path(str(getattr(engine_cfg, "model", "glm5"))).name
+    max_len = max_model_len or int(getattr(engine_cfg, "max_model_len", 8192))
+    metrics = ServerMetrics(name)
+    aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
+                          max_batch_size=config.max_batch_size, preferred_batch_size=config.preferred_batch_size,
+                          batch_timeout_ms=config.batch_timeout_ms)
+    state = ServerState(engine, aengine, tokenizer, config, name, max_len)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        yield
+        await aengine.shutdown(config.shutdown_timeout_s)
+
+    app = FastAPI(title="glm5", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+    _install_handlers(app, state)
+    _install_routes(app, state)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, max_admin_bytes=config.max_admin_body_bytes)
+    return app
+
+
+def _install_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"Malformed JSON body: {first.get('ctx', {}).get('error', '')}".strip(), param="body")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:]) or 'body'}: {err.get('msg')}"
+                        for err in errs[:5])
+        return _error(400, msg or "invalid request", param=param)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request, e):
+        return _error(503, f"server overloaded: {e}; retry later", "server_overloaded",
+                      headers={"Retry-After": str(state.config.retry_after_s)})
+
+    @app.exception_handler(EngineDead)
+    async def dead(request, e):
+        return _error(503, str(e), "service_unavailable", code="engine_unavailable")
+
+    @app.exception_handler(ValueError)
+    async def engine_rejected(request, e):  # the engine's own parameter validation
+        return _error(400, str(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):
+        return _error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else
+                      "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def internal(request, e):
+        return _error(500, f"internal error: {type(e).__name__}", "internal_server_error", code="internal_error")
+
+    @app.middleware("http")
+    async def request_id_auth_version(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        try:  # auth before the body is even parsed: an unauthenticated client learns nothing
+            path = request.url.path
+            if path.startswith("/admin/"):
+                _check_admin(request, state.config)
+            elif path.startswith(("/v1/", "/tokenize", "/detokenize")):
+                _check_bearer(request, state.config.api_key, "API key")
+            response = await call_next(request)
+        except APIError as e:
+            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        response.headers["X-Request-Id"] = rid
+        response.headers.setdefault("X-Model-Version", str(state.async_engine.model_version))
+        return response
+
+
+def _install_routes(app: FastAPI, state: ServerState) -> None:
+    cfg = state.config
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        result = await _until_disconnect(request, create_completion(state, body, rid)) \
+            if not body.stream else await create_completion(state, body, rid)
+        return result if isinstance(result, Response) else _json_response(result, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        result = await _until_disconnect(request, create_chat_completion(state, body, rid)) \
+            if not body.stream else await create_chat_completion(state, body, rid)
+        return result if isinstance(result, Response) else _json_response(result, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "glm5",
+                "root": str(getattr(getattr(state.engine, "config", None), "model", state.model_name)),
+                "max_model_len": state.max_model_len, "model_version": state.async_engine.model_version}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        ae = state.async_engine
+        if ae._dead is not None or ae._stopping:
+            return _error(503, "engine not running", "service_unavailable", code="engine_unavailable")
+        return {"status": "ok", "model_version": ae.model_version}
+
+    @app.get("/metrics")
+    async def prometheus():
+        ae = state.async_engine
+        text = ae.metrics.render(ae.stats(), extra_queued=len(ae._backlog) + ae._num_submitted)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        state.check_model(body.model)
+        if body.messages is not None:
+            chat_req = ChatCompletionRequest(messages=body.messages,
+                                             add_generation_prompt=body.add_generation_prompt)
+            ids = state.tokenizer.encode(render_prompt(state, chat_req)[0])
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/admin/experts")
+    async def swap_experts(request: Request):
+        body = await request.body()
+        tensors, info = await asyncio.to_thread(admin.parse_expert_upload, body, state.engine)
+        version = await state.async_engine.swap_experts(tensors, info)
+        return JSONResponse({"model_version": version, **info}, headers={"X-Model-Version": str(version)})
+
+    @app.get("/admin/experts")
+    async def expert_versions(request: Request):
+        return {"model_version": state.async_engine.model_version, "versions": state.async_engine.versions}
+
+
+def _check_admin(request: Request, cfg: ServerConfig) -> None:
+    if cfg.admin_key is None:
+        raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
+                       "permission_error", code="admin_disabled")
+    _check_bearer(request, cfg.admin_key, "admin key")
+
+

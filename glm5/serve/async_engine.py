@@ -1,0 +1,267 @@
+"""`AsyncEngine`: drives a synchronous `LLMEngine` from one background thread for the asyncio server.
+
+The engine is touched only by that thread: requests, aborts and expert swaps reach it through a command
+queue and run between two `engine.step()` calls, so a swap is atomic with respect to every step.
+Outputs go back to per-request asyncio queues with `call_soon_threadsafe`.
+
+Scheduling it adds on top of the engine:
+- admission control: more than `max_waiting_requests` queued -> `Overloaded` (the app answers 503);
+- dynamic batching: when the engine is idle it waits up to `batch_timeout_ms` for `preferred_batch_size`
+  requests before the first step, and never has more than `max_batch_size` requests in the engine;
+- hot swap: new requests are held back, running ones finish on the old weights, then the swap runs and
+  the version is bumped, so every request runs on exactly one model version (the one it reports);
+- shutdown: stop admitting, drain up to a timeout, abort the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from glm5.serve.metrics import ServerMetrics
+
+
+class Overloaded(Exception):
+    """Too many requests are waiting; retry later."""
+
+
+class EngineDead(Exception):
+    """The engine loop stopped (shutdown or an engine error)."""
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float = 0.0
+    last_token_time: float = 0.0
+    num_tokens: int = 0
+    done: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics: ServerMetrics, *, max_waiting_requests: int = 256,
+                 max_batch_size: int = 32, preferred_batch_size: int = 16, batch_timeout_ms: float = 500.0):
+        self.engine = engine
+        self.metrics = metrics
+        cfg = getattr(engine, "config", None)
+        self.max_batch_size = int(getattr(cfg, "max_batch_size", None) or max_batch_size)
+        self.preferred_batch_size = min(self.max_batch_size,
+                                        int(getattr(cfg, "preferred_batch_size", None) or preferred_batch_size))
+        timeout = getattr(cfg, "batch_timeout_ms", None)
+        self.batch_timeout_s = float(batch_timeout_ms if timeout is None else timeout) / 1000.0
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._backlog: collections.deque[_Pending] = collections.deque()  # accepted, not in the engine yet
+        self._active: dict[str, _Pending] = {}  # in the engine
+        self._swaps: collections.deque[tuple[Any, Future]] = collections.deque()
+        self._num_submitted = 0  # submitted but not yet moved to the backlog (guarded by the GIL)
+        self._stats: dict = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self.versions: list[dict] = [{"version": self.model_version, "time": time.time(), "experts": []}]
+        self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
+
+    # ---- asyncio side -------------------------------------------------------------------------------
+    @property
+    def model_version(self) -> int:
+        return int(getattr(self.engine, "model_version", 0))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def num_waiting(self) -> int:
+        return len(self._backlog) + self._num_submitted + int(self._stats.get("num_waiting", 0) or 0)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator[Any]:
+        """Yield the engine's `RequestOutput`s for one request; abort it if the consumer goes away."""
+        if self._dead is not None or self._stopping:
+            raise EngineDead("the server is shutting down")
+        if self.num_waiting() >= self.max_waiting_requests:
+            raise Overloaded(f"{self.num_waiting()} requests are waiting")
+        p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop())
+        self._num_submitted += 1
+        self._commands.put(("add", p))
+        try:
+            while True:
+                item = await p.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not p.done:
+                self._commands.put(("abort", request_id))
+
+    async def swap_experts(self, updates: dict, info: dict) -> int:
+        """Run `engine.swap_experts(updates)` between steps once running requests drain; new version."""
+        fut: Future = Future()
+        self._commands.put(("swap", (updates, info, fut)))
+        return await asyncio.wrap_future(fut)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        self._commands.put(("stop", timeout_s))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s + 30)
+
+    # ---- engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # an engine bug must not leave clients hanging
+            self._dead = e
+            for p in [*self._active.values(), *self._backlog]:
+                self._send(p, EngineDead(f"engine error: {type(e).__name__}: {e}"))
+            self._drain_commands(block=False, fail=e)
+            raise
+
+    def _loop(self) -> None:
+        deadline = None  # shutdown drain deadline
+        while True:
+            idle = not self._active
+            wait = self._batch_wait() if idle and self._backlog else None
+            block = idle and not self._backlog and not self._swaps and not self._stopping
+            self._drain_commands(block=block, timeout=wait)
+            if self._stopping:
+                deadline = deadline or time.monotonic() + self._stop_timeout
+                if time.monotonic() > deadline or not (self._active or self._backlog):
+                    break
+            if idle and self._backlog and self._batch_wait() and not self._swaps and not self._stopping:
+                continue  # dynamic batching: keep gathering
+            self._maybe_swap()
+            self._admit()
+            if self._active:
+                self._step()
+        for rid in list(self._active):
+            self.engine.abort_request(rid)
+            self._send(self._active.pop(rid), EngineDead("the server shut down"))
+        while self._backlog:
+            self._send(self._backlog.popleft(), EngineDead("the server shut down"))
+
+    def _batch_wait(self) -> float | None:
+        """Seconds to keep gathering before the first step from idle (None: go now)."""
+        if len(self._backlog) >= self.preferred_batch_size:
+            return None
+        left = self._backlog[0].arrival + self.batch_timeout_s - time.monotonic()
+        return left if left > 0 else None
+
+    def _drain_commands(self, block: bool, timeout: float | None = None, fail: BaseException | None = None):
+        try:
+            cmd = self._commands.get(block=block or timeout is not None, timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd, fail)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd, fail: BaseException | None) -> None:
+        kind, arg = cmd
+        if kind == "add":
+            self._num_submitted -= 1
+            if fail is not None or self._stopping:
+                self._send(arg, EngineDead("the server is shutting down"))
+            else:
+                self._backlog.append(arg)
+        elif kind == "abort":
+            self._abort(arg)
+        elif kind == "swap":
+            updates, info, fut = arg
+            if fail is not None:
+                fut.set_exception(EngineDead(str(fail)))
+            else:
+                self._swaps.append(((updates, info), fut))
+        elif kind == "stop":
+            self._stopping, self._stop_timeout = True, float(arg)
+
+    def _abort(self, request_id: str) -> None:
+        p = self._active.pop(request_id, None)
+        if p is not None:
+            self.engine.abort_request(request_id)
+            p.done = True
+            self.metrics.inc("vllm:request_success_total", 0.0, "abort")
+            return
+        for p in list(self._backlog):
+            if p.request_id == request_id:
+                self._backlog.remove(p)
+                p.done = True
+
+    def _maybe_swap(self) -> None:
+        """Swap only when no request is in the engine: each request runs on one version."""
+        if not self._swaps or self._active:
+            return
+        (updates, info), fut = self._swaps.popleft()
+        try:
+            self.engine.swap_experts(updates)
+        except Exception as e:  # validation happened before; keep serving on the old weights
+            fut.set_exception(e)
+            return
+        self.versions.append({"version": self.model_version, "time": time.time(), **info})
+        fut.set_result(self.model_version)
+
+    def _admit(self) -> None:
+        if self._swaps:
+            return  # hold new requests until the pending swap has run
+        while self._backlog and len(self._active) < self.max_batch_size:
+            p = self._backlog.popleft()
+            try:
+                self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params)
+            except (ValueError, TypeError) as e:
+                self._send(p, e)
+                continue
+            p.admitted = time.monotonic()
+            self.metrics.observe("vllm:request_queue_time_seconds", p.admitted - p.arrival)
+            self._active[p.request_id] = p
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        now = time.monotonic()
+        for out in outputs:
+            p = self._active.get(out.request_id)
+            if p is None:
+                continue  # aborted meanwhile
+            self._observe(p, out, now)
+            if out.finished:
+                del self._active[out.request_id]
+            self._send(p, out)
+        self._stats = self.engine.get_stats()
+
+    def _observe(self, p: _Pending, out, now: float) -> None:
+        n = sum(len(c.token_ids) for c in out.outputs)
+        new = n - p.num_tokens
+        if new > 0:
+            if p.num_tokens == 0:
+                self.metrics.observe("vllm:time_to_first_token_seconds", now - p.arrival)
+                self.metrics.inc("vllm:prompt_tokens_total", len(p.prompt_token_ids))
+            else:
+                for _ in range(new):
+                    self.metrics.observe("vllm:inter_token_latency_seconds", (now - p.last_token_time) / new)
+            self.metrics.inc("vllm:generation_tokens_total", new)
+            p.num_tokens, p.last_token_time = n, now
+        if out.finished:
+            self.metrics.observe("vllm:e2e_request_latency_seconds", now - p.arrival)
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            self.metrics.inc("vllm:request_success_total", 1.0, str(reason or "stop"))
+
+    def _send(self, p: _Pending, item) -> None:
+        if getattr(item, "finished", False) or isinstance(item, BaseException):
+            p.done = True
+        try:
+            p.loop.call_soon_threadsafe(p.out.put_nowait, item)
+        except RuntimeError:  # the client's event loop is closed
+            pass

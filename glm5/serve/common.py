@@ -1,0 +1,157 @@
+"""Shared serving pieces: server state, the OpenAI error type, sampling-param mapping, logprobs, SSE.
+
+Used by the completion and chat handlers; knows nothing about routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from glm5.infer.sampling import SamplingParams
+from glm5.serve.async_engine import AsyncEngine
+from glm5.serve.config import ServerConfig
+from glm5.serve.protocol import SamplingFields
+
+
+class APIError(Exception):
+    """A client-visible error: HTTP status + OpenAI error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code = code or {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
+                             413: "request_too_large", 503: "server_overloaded"}.get(status)
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ServerState:
+    engine: Any  # LLMEngine
+    async_engine: AsyncEngine
+    tokenizer: Any  # GLMTokenizer
+    config: ServerConfig
+    model_name: str
+    max_model_len: int
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
+                           "model_not_found")
+
+
+def max_tokens_for(state: ServerState, req: SamplingFields, prompt_len: int, requested: int | None) -> int:
+    """vLLM's context check: the prompt must leave room; default max_tokens fills what is left."""
+    room = state.max_model_len - prompt_len
+    if room < 1 and not (requested == 0):
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. "
+                            f"However, your prompt has {prompt_len} tokens.", param="prompt",
+                       code="context_length_exceeded")
+    if requested is None:
+        return max(1, min(state.config.default_max_tokens, room))
+    if requested > room:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. "
+                            f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
+                            f"prompt, {requested} in the completion).", param="max_tokens",
+                       code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, **extra) -> SamplingParams:
+    """OpenAI/vLLM request fields -> `SamplingParams`; a value the engine rejects is a 400."""
+    kwargs = dict(
+        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+        seed=req.seed, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty, min_tokens=min(req.min_tokens, max_tokens),
+        ignore_eos=req.ignore_eos, max_tokens=max_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
+    kwargs.update(extra)
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        param = str(e).split(" ")[0] if str(e) else None
+        raise APIError(400, str(e), param=param if param in kwargs else None) from e
+
+
+def finite(x: float | None) -> float | None:
+    """JSON has no -inf: clamp like vLLM does (-9999.0)."""
+    if x is None:
+        return None
+    return x if math.isfinite(x) else -9999.0
+
+
+def logprob_of(entry, token_id: int) -> float | None:
+    if not entry or token_id not in entry:
+        return None
+    lp = entry[token_id]
+    return finite(getattr(lp, "logprob", lp))
+
+
+def top_entries(entry, k: int) -> list[tuple[int, float]]:
+    """The top-k (token id, logprob) of one position, most likely first."""
+    if not entry:
+        return []
+    items = [(tid, finite(getattr(lp, "logprob", lp))) for tid, lp in entry.items()]
+    ranked = sorted(items, key=lambda x: -x[1])
+    return ranked[:k]
+
+
+def token_str(tokenizer, token_id: int) -> str:
+    """Text of one token, decoded on its own (what OpenAI's `tokens` / `token` fields show)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    try:
+        return list(tokenizer.token_bytes(token_id))
+    except (AttributeError, ValueError, KeyError):
+        return list(token_str(tokenizer, token_id).encode("utf-8"))
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators: yields (stream index, item) as items arrive."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, it):
+        try:
+            async for item in it:
+                await q.put((i, item))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,105 @@
+"""Prometheus text exposition with vLLM's metric names (docs/design/metrics.md), written by hand.
+
+Latency histograms are observed by the async engine from its own monotonic timestamps; gauges and
+prefix-cache counters come from `engine.get_stats()` at scrape time. Every series has `model_name`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Histogram of e2e request latency in seconds.", E2E_BUCKETS),
+    "vllm:request_queue_time_seconds": ("Histogram of time spent waiting in the queue in seconds.",
+                                        E2E_BUCKETS),
+}
+COUNTERS = {
+    "vllm:prompt_tokens_total": "Number of prefill tokens processed.",
+    "vllm:generation_tokens_total": "Number of generation tokens processed.",
+    "vllm:request_success_total": "Count of successfully processed requests.",
+}
+# gauge / counter name -> (help, the `engine.get_stats()` keys tried in order)
+FROM_STATS = {
+    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches.",
+                                  ("num_running", "num_requests_running")),
+    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed.",
+                                  ("num_waiting", "num_requests_waiting")),
+    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage.",
+                                 ("kv_cache_usage", "kv_cache_usage_perc")),
+    "vllm:prefix_cache_queries": ("counter", "Prefix-cache queries, in tokens.",
+                                  ("prefix_cache_queries",)),
+    "vllm:prefix_cache_hits": ("counter", "Prefix-cache hits, in tokens.", ("prefix_cache_hits",)),
+}
+
+
+class _Histogram:
+    def __init__(self, buckets):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+
+
+class ServerMetrics:
+    """Thread-safe: observed from the engine thread, rendered from the HTTP thread."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.lock = threading.Lock()
+        self.hist = {name: _Histogram(b) for name, (_, b) in HISTOGRAMS.items()}
+        self.counters: dict[tuple[str, str], float] = {}
+
+    def observe(self, name: str, value: float) -> None:
+        with self.lock:
+            self.hist[name].observe(value)
+
+    def inc(self, name: str, value: float = 1.0, reason: str = "") -> None:
+        with self.lock:
+            self.counters[(name, reason)] = self.counters.get((name, reason), 0.0) + value
+
+    def render(self, stats: dict, extra_queued: int = 0) -> str:
+        label = f'model_name="{_escape(self.model_name)}"'
+        lines: list[str] = []
+        with self.lock:
+            for name, (help_, buckets) in HISTOGRAMS.items():
+                self._render_hist(lines, name, help_, self.hist[name], label)
+            for name, help_ in COUNTERS.items():
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter"]
+                series = {r: v for (n, r), v in self.counters.items() if n == name} or {"": 0.0}
+                for reason, v in sorted(series.items()):
+                    extra = f',finished_reason="{_escape(reason)}"' if reason else ""
+                    lines.append(f"{name}{{{label}{extra}}} {v}")
+        for name, (kind, help_, keys) in FROM_STATS.items():
+            value = next((float(stats[k]) for k in keys if k in stats and stats[k] is not None), 0.0)
+            if name == "vllm:num_requests_waiting":
+                value += extra_queued  # requests the server holds back (dynamic batching, max_batch_size)
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_hist(lines, name, help_, h: _Histogram, label) -> None:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip([*h.buckets, float("inf")], h.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else repr(float(bound))
+            lines.append(f'{name}_bucket{{{label},le="{le}"}} {cumulative}')
+        lines.append(f"{name}_count{{{label}}} {cumulative}")
+        lines.append(f"{name}_sum{{{label}}} {h.sum}")
+
+
+def _escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,192 @@
+"""OpenAI-compatible request/response schemas (pydantic v2) for completions, chat, tokenize and errors.
+
+Requests validate every client-controllable number here, so a bad value becomes a 400 with the field
+named, never a 500 deeper down. Unknown fields are ignored (as OpenAI and vLLM do); vLLM's extra
+sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, ...) are accepted so
+`extra_body` works. Responses are plain models dumped with `exclude_none` where OpenAI omits fields.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + vLLM extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=64)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("stop: at most 16 non-empty strings")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt: must not be empty")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """Normalise the four OpenAI prompt shapes into a list of strings or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class FunctionDef(OpenAIModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "observation"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def text(self) -> str | None:
+        """Content as a string: text parts of a multi-part content are concatenated."""
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.get("name") not in names:
+                raise ValueError("tool_choice: names a function that is not in tools")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

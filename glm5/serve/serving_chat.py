@@ -1,0 +1,228 @@
+"""`/v1/chat/completions`: chat template, `chat_template_kwargs` (`enable_thinking`, `clear_thinking`),
+`reasoning_content` from the GLM reasoning parser, tools + `tool_choice` with the GLM XML tool parser,
+logprobs/top_logprobs, `n`, SSE streaming with a final usage chunk.
+
+Streaming and non-streaming share one per-choice pipeline (engine text delta -> reasoning parser ->
+tool parser), so a streamed response adds up to exactly the non-streamed one. `tool_choice` "required"
+or a named function is enforced by prefilling `<tool_call>` (and the name) after the generation prompt,
+which in GLM's format leaves the model no other way to continue; thinking is closed first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import jinja2
+from fastapi.responses import StreamingResponse
+
+from glm5.serve.common import (APIError, ServerState, logprob_of, max_tokens_for, sampling_params, sse,
+                               token_bytes, token_str, top_entries)
+from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
+from glm5.serve.parsers.tool_glm import TOOL_OPEN
+from glm5.serve.protocol import ChatCompletionRequest, NamedToolChoice, Usage, now
+
+EOS_TEXTS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+
+
+def _thinking(kwargs: dict) -> bool:
+    """`enable_thinking` (vLLM/GLM name); the Z.ai-style `thinking` ({"type": "disabled"} or a bool) too."""
+    flag = kwargs.pop("enable_thinking", None)
+    alias = kwargs.pop("thinking", None)
+    if flag is None and alias is not None:
+        flag = alias.get("type") != "disabled" if isinstance(alias, dict) else bool(alias)
+    return True if flag is None else bool(flag)
+
+
+def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, list | None]:
+    """-> (prompt text, forced tool-call prefix, tools to parse against or None)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    enable_thinking = _thinking(kwargs)
+    for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
+        kwargs.pop(reserved, None)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+            enable_thinking=enable_thinking, tokenize=False, **kwargs)
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
+        raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
+    parse_tools = tools if tools and req.tool_choice != "none" else None
+    forced = ""
+    if parse_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+        if prompt_opens_reasoning(text):
+            text += "</think>"
+        name = req.tool_choice.function["name"] if isinstance(req.tool_choice, NamedToolChoice) else ""
+        forced = TOOL_OPEN + name
+    return text + forced, forced, parse_tools
+
+
+class _Choice:
+    """Per-choice parser pipeline and accumulated message."""
+
+    def __init__(self, state: ServerState, index: int, reasoning_open: bool, forced: str, tools):
+        self.index, self.state = index, state
+        use_reasoning = bool(state.config.reasoning_parser)
+        self.reasoning = GLMReasoningParser(reasoning_open) if use_reasoning else None
+        self.tools = GLMToolParser(tools) if tools is not None else None
+        self.sent_text, self.sent_tokens = "", 0
+        self.reasoning_text, self.content_text = "", ""
+        self.logprobs: list[dict] = []
+        self.finish_reason, self.stop_reason = None, None
+        self.pending_forced = forced  # fed to the tool parser before the model's text
+
+    def feed(self, c, top_k: int | None) -> dict:
+        """Process CompletionOutput `c`; return the OpenAI delta dict of what is new."""
+        if self.finish_reason is not None:  # outputs of finished siblings are repeated: nothing new
+            return {"delta": {}, "logprobs": [], "finished": False}
+        new = c.text[len(self.sent_text):]
+        self.sent_text = c.text
+        finished = c.finish_reason is not None
+        if finished:
+            for eos in EOS_TEXTS:
+                new = new.removesuffix(eos)
+        delta: dict[str, Any] = {}
+        r, content = self._split(new, finished)
+        tool_deltas = []
+        if self.tools is not None:
+            outs = [self.tools.feed(self.pending_forced + content)] + ([self.tools.finish()] if finished else [])
+            self.pending_forced = ""
+            content = "".join(o.content for o in outs)
+            tool_deltas = [d for o in outs for d in o.tool_calls]
+        if r:
+            delta["reasoning_content"] = r
+            self.reasoning_text += r
+        if content:
+            delta["content"] = content
+            self.content_text += content
+        if tool_deltas:
+            delta["tool_calls"] = [_tool_delta(d) for d in tool_deltas]
+        lps = self._logprobs(c, top_k) if top_k is not None else []
+        self.logprobs += lps
+        if finished:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+            if self.tools is not None and self.tools.tool_calls and c.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+        return {"delta": delta, "logprobs": lps, "finished": finished}
+
+    def _split(self, new: str, finished: bool) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", new
+        r, c = self.reasoning.feed(new)
+        if finished:
+            r2, c2 = self.reasoning.finish()
+            r, c = r + r2, c + c2
+        return r, c
+
+    def _logprobs(self, c, top_k: int) -> list[dict]:
+        tok = self.state.tokenizer
+        ids, entries = c.token_ids[self.sent_tokens:], (c.logprobs or [])[self.sent_tokens:]
+        self.sent_tokens = len(c.token_ids)
+        out = []
+        for tid, entry in zip(ids, entries):
+            out.append({"token": token_str(tok, tid), "logprob": logprob_of(entry, tid),
+                        "bytes": token_bytes(tok, tid),
+                        "top_logprobs": [{"token": token_str(tok, t), "logprob": lp, "bytes": token_bytes(tok, t)}
+                                         for t, lp in top_entries(entry, top_k)]})
+        return out
+
+    def message(self) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content_text or None}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning_text or None
+        calls = self.tools.tool_calls if self.tools is not None else []
+        msg["tool_calls"] = [{"id": t.id, "type": "function",
+                              "function": {"name": t.name, "arguments": t.arguments}} for t in calls]
+        return msg
+
+
+def _tool_delta(d) -> dict:
+    out: dict[str, Any] = {"index": d.index, "function": {"arguments": d.arguments}}
+    if d.name is not None:
+        out.update(id=d.id, type="function")
+        out["function"]["name"] = d.name
+    return out
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
+    state.check_model(req.model)
+    text, forced, tools = render_prompt(state, req)
+    prompt_ids = state.tokenizer.encode(text)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if requested == 0:
+        raise APIError(400, "max_tokens: must be >= 1", param="max_tokens")
+    max_tokens = max_tokens_for(state, req, len(prompt_ids), requested)
+    top_k = (req.top_logprobs or 0) if req.logprobs else None
+    extra = {"skip_special_tokens": False}  # <think>/<tool_call> must reach the parsers
+    if top_k is not None:
+        extra["logprobs"] = top_k
+    params = sampling_params(req, max_tokens, **extra)
+    stream = state.async_engine.generate(request_id, prompt_ids, params)
+    choices = [_Choice(state, i, prompt_opens_reasoning(text), forced, tools) for i in range(req.n)]
+    try:
+        first = await stream.__anext__()  # admission errors surface before any byte is sent
+    except StopAsyncIteration:  # pragma: no cover
+        raise APIError(500, "engine returned no output", "internal_server_error")
+    version = first.model_version if first.model_version is not None else state.async_engine.model_version
+    job = _ChatJob(state, req, request_id, choices, len(prompt_ids), top_k, version)
+    if req.stream:
+        return StreamingResponse(job.stream(first, stream), media_type="text/event-stream",
+                                 headers={"X-Model-Version": str(version)})
+    return await job.collect(first, stream)
+
+
+class _ChatJob:
+    def __init__(self, state, req, request_id, choices, num_prompt_tokens, top_k, version):
+        self.state, self.req, self.id, self.choices = state, req, request_id, choices
+        self.num_prompt_tokens, self.top_k, self.version = num_prompt_tokens, top_k, version
+        self.created = now()
+        self.num_generated = 0
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.state.model_name, "choices": choices, "model_version": self.version}
+
+    def _usage(self) -> dict:
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
+                     total_tokens=self.num_prompt_tokens + self.num_generated).model_dump()
+
+    def _feed(self, out) -> list[tuple[_Choice, dict]]:
+        self.num_generated = sum(len(c.token_ids) for c in out.outputs)
+        return [(self.choices[c.index], self.choices[c.index].feed(c, self.top_k)) for c in out.outputs]
+
+    async def collect(self, first, rest) -> dict:
+        async for out in _chain(first, rest):
+            self._feed(out)
+        choices = [{"index": ch.index, "message": ch.message(),
+                    "logprobs": {"content": ch.logprobs} if self.top_k is not None else None,
+                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in self.choices]
+        body = {**self._chunk(choices), "object": "chat.completion", "usage": self._usage()}
+        return {**body, "_model_version": self.version}
+
+    async def stream(self, first, rest) -> AsyncIterator[str]:
+        yield sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None} for ch in self.choices]))
+        try:
+            async for out in _chain(first, rest):
+                chunk = []
+                for ch, d in self._feed(out):
+                    if d["delta"] or d["finished"] or d["logprobs"]:
+                        chunk.append({"index": ch.index, "delta": d["delta"],
+                                      "logprobs": {"content": d["logprobs"]} if self.top_k is not None else None,
+                                      "finish_reason": ch.finish_reason if d["finished"] else None,
+                                      "stop_reason": ch.stop_reason if d["finished"] else None})
+                if chunk:
+                    yield sse(self._chunk(chunk))
+            if self.req.stream_options and self.req.stream_options.include_usage:
+                yield sse({**self._chunk([]), "usage": self._usage()})
+        except APIError as e:
+            yield sse(e.body())
+        except Exception as e:  # engine died mid-stream: say so instead of cutting the stream
+            yield sse(APIError(500, f"{type(e).__name__}: {e}", "internal_server_error").body())
+        yield sse("[DONE]")
+
+
+async def _chain(first, rest: AsyncIterator):
+    yield first
+    async for item in rest:
+        yield item

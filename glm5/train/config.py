@@ -1,0 +1,191 @@
+"""`TrainConfig`: the typed config of a pretraining run, one dataclass per TOML section.
+
+Sections: model, data (the loader's own `DataLoaderConfig`), optim, schedule, train, balance,
+stability, dsa, precision, checkpoint, parallel, log. Loaded with
+`glm5.core.config.load_config(TrainConfig, path, overrides)`; the resolved config is saved next to
+every checkpoint and at the top of the metrics log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from glm5.data.loader import DataLoaderConfig
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    name: str = "tiny"
+    """Preset name (`tiny`, `small`, ...) or a HF checkpoint directory (continued pretraining)."""
+    load_weights: bool = True
+    """When `name` is a checkpoint directory: start from its weights (else only its config)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """`ModelConfig` fields to override, e.g. `{num_hidden_layers = 2}`."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: Literal["adamw", "lamb", "muon"] = "adamw"
+    """AdamW (default), LAMB (seed T2), or Muon on hidden matrices + AdamW on the rest."""
+    lr: float = 3e-4
+    """Peak learning rate (of the AdamW/LAMB groups; of Muon too unless `muon_lr` is set)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam/LAMB moment decay rates."""
+    eps: float = 1e-8
+    """Adam/LAMB denominator epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices; never on norms, biases (and embeddings, see below)."""
+    decay_embeddings: bool = False
+    """Apply weight decay to embedding tables too."""
+    lamb_max_trust: float = 10.0
+    """LAMB: upper clamp of the trust ratio ||w|| / ||update||."""
+    muon_lr: float = 0.0
+    """Muon: LR of the hidden-matrix group (0 = same as `lr`, right for `match_rms_adamw`)."""
+    muon_momentum: float = 0.95
+    """Muon: momentum coefficient."""
+    muon_nesterov: bool = True
+    """Muon: Nesterov momentum."""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations."""
+    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
+    """Muon: per-matrix LR scale (Moonlight 0.2*sqrt(max(A,B)) / Keller sqrt(max(1,A/B)) / none)."""
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    name: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
+    """LR shape after warmup."""
+    warmup_steps: int = 10000
+    """Linear warmup length in optimizer steps (seed T2: 10,000)."""
+    warmup_init: float = 0.0
+    """LR factor the warmup starts from."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    decay_ratio: float = 0.2
+    """WSD: fraction of all steps spent decaying at the end."""
+    decay_type: Literal["linear", "cosine", "sqrt"] = "linear"
+    """WSD: shape of the final decay."""
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    steps: int = 1000
+    """Optimizer steps."""
+    seed: int = 0
+    """Seed of model init, the objective draw and everything else random."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (at the end of any batch ramp); seed T1 uses 8."""
+    batch_ramp_start: int = 0
+    """Global batch size (sequences) at step 0 of the ramp; 0 = no ramp (seed T2: 256 -> 2048)."""
+    batch_ramp_steps: int = 0
+    """Steps over which the global batch grows to micro_batch * world * grad_accum."""
+    objectives: dict[str, float] = field(default_factory=lambda: {"clm": 1.0})
+    """Objective mix by ratio per micro-batch: `clm` (causal LM), `glm` (GLM blank infilling)."""
+    mtp_weight: float = 0.3
+    """Weight of the multi-token-prediction loss (0 = do not run the MTP layer)."""
+
+
+@dataclass(kw_only=True)
+class BalanceConfig:
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: b_i += rate * sign(mean_load - load_i) after each step (0 = off)."""
+    seq_aux_coef: float = 1e-4
+    """Sequence-wise balance loss weight (DeepSeek-V3 / GLM-5 style, tiny)."""
+    aux_coef: float = 0.0
+    """Batch-level balance penalty weight (the seeds' expert-balance penalty uses 0.01)."""
+    z_loss_coef: float = 0.0
+    """Router z-loss weight (ST-MoE uses 1e-3)."""
+
+
+@dataclass(kw_only=True)
+class StabilityConfig:
+    clip: Literal["global", "layerwise", "both", "none"] = "global"
+    """Gradient clipping: global norm, the seeds' adaptive layer-wise rule, both, or none."""
+    max_grad_norm: float = 1.0
+    """Global clipping norm."""
+    layerwise_base: float = 1.0
+    """Layer-wise rule: threshold = base * (1 + 0.1 * ln(layer_norm))."""
+    max_bad_steps: int = 10
+    """Stop after this many skipped non-finite steps."""
+    nan_lr_factor: float = 0.9
+    """LR multiplier applied after each skipped non-finite step (seed T6: lower LR by 10%)."""
+
+
+@dataclass(kw_only=True)
+class DSAConfig:
+    indexer_warmup_steps: int = 0
+    """Dense warm-up steps training only the DSA indexer by KL to the attention (0 = skip)."""
+    indexer_warmup_lr: float = 1e-3
+    """Learning rate of the indexer during the warm-up."""
+    indexer_loss_coef: float = 0.0
+    """Sparse stage: weight of the indexer KL loss on the selected keys (input detached)."""
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute dtype: auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (less memory, ~1/3 more compute)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every N optimizer steps (0 = only at exit)."""
+    keep_last: int = 3
+    """Number of step checkpoints kept."""
+    resume: str = ""
+    """"" = fresh run, "auto" = latest checkpoint in the run dir if any, or a checkpoint path."""
+    at_exit: bool = True
+    """Also save when the run ends or is interrupted (Ctrl-C)."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    data_parallel: Literal["fsdp", "none"] = "fsdp"
+    """With several processes: FSDP2 `fully_shard` (see glm5/train/parallel.py)."""
+    expert_parallel: int = 1
+    """Ranks that share one copy of the experts (tokens dispatched with all_to_all)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend (auto: nccl on GPU, gloo on CPU)."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    run_dir: str = "runs/tiny"
+    """Where metrics.jsonl, checkpoints and `final/` go."""
+    every: int = 10
+    """Log metrics every N steps."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+    eval_every: int = 0
+    """Validation loss every N steps (0 = only at the end)."""
+    eval_batches: int = 20
+    """Validation batches per evaluation."""
+    measure_peak: bool = True
+    """Measure the matmul peak (cached per machine) to report MFU."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataLoaderConfig = field(default_factory=DataLoaderConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    dsa: DSAConfig = field(default_factory=DSAConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        unknown = set(self.train.objectives) - {"clm", "glm"}
+        if unknown:
+            raise ValueError(f"train.objectives: unknown objective(s) {sorted(unknown)}; use clm, glm")
+        if self.train.grad_accum < 1 or self.train.steps < 1:
+            raise ValueError("train.steps and train.grad_accum must be >= 1")

@@ -1,0 +1,279 @@
+"""The pretraining loop: `Trainer(cfg).fit()`.
+
+Owns the order of operations in one optimizer step: fetch the step's micro-batches (objectives drawn
+by ratio), forward/backward each under autocast, non-finite guard, clipping, optimizer step, MoE bias
+update; then logging (tqdm + metrics JSONL), periodic validation and checkpoints, and at the end the
+validation loss against a unigram baseline and the final HF-format model in `RUN_DIR/final`.
+Parallelism is applied from outside the model by `parallelize(model, cfg)` (glm5/train/parallel.py)
+when launched with several processes; the model itself stays pure math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glm5.core import dist
+from glm5.core.config import to_dict
+from glm5.core.log import MetricsWriter
+from glm5.model.config import ModelConfig
+from glm5.model.hf_adapter import from_pretrained, save_pretrained
+from glm5.model.model import GLM5ForCausalLM
+
+from . import perf
+from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
+from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from .config import TrainConfig
+from .data import DataSource, build_data
+from .optim import build_optimizer
+from .schedule import BatchRamp, lr_factor, pick_objective
+from .stability import NonFiniteGuard, clip_global, clip_layerwise, grad_norm, layer_groups
+from .step import IGNORE, forward_micro, micro_loss, mtp_labels
+
+logger = logging.getLogger("glm5.train")
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> GLM5ForCausalLM:
+    """A fresh model from a preset (seeded init) or a checkpoint's weights; fp32 master weights."""
+    name, overrides = cfg.model.name, dict(cfg.model.overrides)
+    if cfg.model.load_weights and (Path(name) / "config.json").is_file() and not overrides:
+        return from_pretrained(name, dtype=torch.float32, device=device).train()
+    mcfg = ModelConfig.load(name, **overrides)
+    model = GLM5ForCausalLM(mcfg).init_weights(seed=cfg.train.seed)
+    return model.to(device).train()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module | None = None, data: DataSource | None = None,
+                 parallelize_fn=None):
+        self.cfg = cfg
+        dist.init_from_env(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+        seed_everything(cfg.train.seed)
+        self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
+        self.model = model if model is not None else build_model(cfg, self.device)
+        self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
+        if dist.world_size() > 1:
+            if parallelize_fn is None:
+                from .parallel import parallelize as parallelize_fn  # built by the distributed task
+            self.model = parallelize_fn(self.model, cfg)
+        if cfg.precision.activation_checkpointing:
+            self.raw_model.gradient_checkpointing = True
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.data = data if data is not None else build_data(cfg, dist.rank(), dist.world_size())
+        self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
+        self.ramp = BatchRamp(self.data.micro_batch_size, dist.world_size(), cfg.train.grad_accum,
+                              cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
+        self.gates, self.tracker = find_gates(self.raw_model), LoadTracker()
+        self.layer_groups = layer_groups(self.raw_model)
+        self.step = 0
+        self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
+        self.run_dir = Path(cfg.log.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.autocast_dtype = self._autocast_dtype()
+        self.active_params = perf.active_params(self.raw_model, include_mtp=cfg.train.mtp_weight > 0)
+        self.peak_flops = 0.0
+        self.history: list[dict] = []
+        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
+        if resume is not None:
+            self._load(resume)
+
+    # --- state --------------------------------------------------------------------------------------
+    def _autocast_dtype(self) -> torch.dtype | None:
+        want = self.cfg.precision.dtype
+        if want == "bf16" or (want == "auto" and self.device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+    def trainer_state(self) -> dict:
+        return {"guard": self.guard.state_dict(), "data": self.data.state_dict(), "unigram": self.unigram}
+
+    def _load(self, path: Path) -> None:
+        state = load_checkpoint(path, self.raw_model, self.optimizer)
+        self.step = int(state["step"])
+        self.guard.load_state_dict(state["guard"])
+        self.data.load_state_dict(state["data"])
+        self.unigram = state["unigram"].to(torch.float64)
+        dist.print0(f"resumed from {path} at step {self.step}")
+
+    def save(self) -> Path | None:
+        path = None
+        if dist.is_main():
+            path = save_checkpoint(self.ckpt_root, self.step, self.raw_model, self.optimizer,
+                                   self.trainer_state(), to_dict(self.cfg), self.cfg.checkpoint.keep_last)
+        if dist.is_dist():
+            torch.distributed.barrier()
+        return path
+
+    # --- one optimizer step -------------------------------------------------------------------------
+    def _set_lr(self) -> float:
+        factor = lr_factor(self.step, self.cfg.schedule, self.cfg.train.steps) * self.guard.lr_scale
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["base_lr"] * factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _fetch(self) -> list[tuple[str, dict]]:
+        """The step's micro-batches, each with its objective (drawn by ratio, stateless in the seed)."""
+        self.data.set_step(self.step)
+        accum = self.ramp.accum(self.step)
+        mix, seed = self.cfg.train.objectives, self.cfg.train.seed
+        out = []
+        for micro in range(accum):
+            objective = pick_objective(mix, seed, self.step, micro)
+            batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                     for k, v in self.data.next_batch(objective).items()}
+            out.append((objective, batch))
+        return out
+
+    def train_step(self) -> dict:
+        """Forward/backward over the step's micro-batches, then guard, clip, update. Returns metrics."""
+        cfg = self.cfg
+        lr = self._set_lr()
+        micro = self._fetch()
+        n_tok = sum(int((b["labels"] != IGNORE).sum()) for _, b in micro)
+        n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm")
+        sums = {"lm": 0.0, "mtp": 0.0}
+        balance: dict[str, float] = {}
+        self.tracker.reset()
+        for objective, batch in micro:
+            with self._autocast():
+                res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance)
+                loss = micro_loss(res, n_tok, n_mtp, cfg.train.mtp_weight, len(micro))
+            loss.backward()
+            sums["lm"] += float(res.lm_sum)
+            sums["mtp"] += float(res.mtp_sum) if res.mtp_sum is not None else 0.0
+            for k, v in res.balance.items():
+                balance[k] = balance.get(k, 0.0) + float(v) / len(micro)
+            self.tracker.add(res.router_stats)
+            labels = batch["labels"][batch["labels"] != IGNORE]
+            self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
+        lm_loss = sums["lm"] / max(1, n_tok)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = grad_norm(params)
+        metrics = {"loss": lm_loss, "lr": lr, "grad_norm": float(norm), "tokens": n_tok,
+                   "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
+        if n_mtp:
+            metrics["mtp_loss"] = sums["mtp"] / n_mtp
+        metrics.update(balance)
+        if not self.guard.check(self.raw_model, lm_loss, float(norm), self.step):
+            metrics["skipped"] = True
+            self.step += 1
+            return metrics
+        if cfg.stability.clip in ("layerwise", "both"):
+            self.layer_norms = clip_layerwise(self.layer_groups, cfg.stability.layerwise_base)
+        if cfg.stability.clip in ("global", "both"):
+            clip_global(params, cfg.stability.max_grad_norm, grad_norm(params))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loads = self.tracker.reduce()
+        update_expert_bias(self.gates, loads, cfg.balance.bias_update_rate)
+        metrics.update(load_metrics(loads))
+        self.step += 1
+        return metrics
+
+    # --- evaluation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation LM loss (token-weighted) and the add-one unigram baseline fitted on the training
+        targets seen so far, on the same validation tokens."""
+        self.model.eval()
+        total, count, uni = 0.0, 0, 0.0
+        logp = torch.log((self.unigram + 1) / (self.unigram.sum() + self.unigram.numel()))
+        for batch in self.data.val_batches(self.cfg.log.eval_batches):
+            batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            with self._autocast():
+                res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance)
+            total += float(res.lm_sum)
+            count += res.lm_tokens
+            labels = batch["labels"][batch["labels"] != IGNORE].cpu()
+            uni -= float(logp[labels].sum())
+        self.model.train()
+        if count == 0:
+            return {}
+        return {"val_loss": total / count, "unigram_loss": uni / count, "val_tokens": count}
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if dist.is_main() else None
+        if writer is not None and self.step == 0:
+            writer.write(0, event="config", config=to_dict(cfg), active_params=self.active_params)
+        if cfg.log.measure_peak:
+            self.peak_flops = perf.measure_matmul_peak(self.device, self.autocast_dtype or torch.float32)
+        bar = _progress(cfg.log.progress and dist.is_main(), self.step, cfg.train.steps)
+        last_saved, summary = self.step, {}
+        try:
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                m = self.train_step()
+                dt = time.perf_counter() - t0
+                m["tokens_per_s"] = m["tokens"] * dist.world_size() / dt
+                m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops)
+                self.history.append({"step": self.step, **{k: v for k, v in m.items() if k != "expert_load"}})
+                self._log(writer, bar, m)
+                if cfg.log.eval_every and self.step % cfg.log.eval_every == 0 and self.step < cfg.train.steps:
+                    self._write(writer, {"event": "eval", **self.evaluate()})
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+                    last_saved = self.step
+            summary = self.evaluate()
+            self._write(writer, {"event": "final", **summary})
+            self.save_final()
+        finally:
+            if cfg.checkpoint.at_exit and self.step > last_saved:
+                self.save()
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+        return summary
+
+    def _log(self, writer, bar, m: dict) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
+                            tok_s=f"{m['tokens_per_s']:.0f}", mfu=f"{m['mfu']:.1%}")
+        if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps or m.get("skipped"):
+            self._write(writer, m)
+
+    def _write(self, writer, record: dict) -> None:
+        if writer is not None:
+            writer.write(self.step, **record)
+        if record.get("event") in ("eval", "final") and record.get("val_loss") is not None:
+            dist.print0(f"step {self.step}: val_loss {record['val_loss']:.4f}  "
+                        f"unigram baseline {record['unigram_loss']:.4f}")
+
+    def save_final(self) -> Path | None:
+        """`RUN_DIR/final`: the model in HF layout plus the tokenizer files (for `glm5 generate`)."""
+        if not dist.is_main():
+            return None
+        from glm5.core.io import atomic_dir
+        final = self.run_dir / "final"
+        with atomic_dir(final) as tmp:
+            save_pretrained(self.raw_model, tmp)
+            self.data.save_tokenizer(tmp)
+        return final
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
