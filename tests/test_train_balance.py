@@ -70,19 +70,28 @@ class Gate(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(e))
 
 
+class Layer(nn.Module):
+    def __init__(self, moe):
+        super().__init__()
+        self.gate = Gate(4) if moe else nn.Linear(2, 2)
+
+
 def test_bias_update_rule_and_tracker():
-    model = nn.ModuleList([Gate(4), nn.Linear(2, 2), Gate(4)])
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer(False), Layer(True), Layer(True)])
     gates = find_gates(model)
-    assert len(gates) == 2
+    assert sorted(gates) == [1, 2]
     tracker = LoadTracker()
-    tracker.add([{"tokens_per_expert": torch.tensor([5, 1, 1, 1])}, {"tokens_per_expert": torch.tensor([2, 2, 2, 2])}])
-    tracker.add([{"tokens_per_expert": torch.tensor([3, 1, 0, 3])}, {"tokens_per_expert": torch.tensor([2, 2, 2, 2])}])
+    tracker.add([{"layer": 1, "tokens_per_expert": torch.tensor([5, 1, 1, 1])},
+                 {"layer": 2, "tokens_per_expert": torch.tensor([2, 2, 2, 2])}])
+    tracker.add([{"layer": 1, "tokens_per_expert": torch.tensor([3, 1, 0, 3])}])  # layer 2 did not run
     loads = tracker.reduce()
-    assert loads[0].tolist() == [8, 2, 1, 4]
+    assert loads[1].tolist() == [8, 2, 1, 4] and loads[2].tolist() == [2, 2, 2, 2]
     update_expert_bias(gates, loads, rate=1e-3)
-    # mean load 3.75: expert 0 and 3 overloaded -> bias down, 1 and 2 underloaded -> bias up.
-    assert gates[0].e_score_correction_bias.tolist() == pytest.approx([-1e-3, 1e-3, 1e-3, -1e-3])
-    assert gates[1].e_score_correction_bias.tolist() == [0, 0, 0, 0]  # balanced: sign(0) = 0
+    # mean load 3.75: experts 0 and 3 overloaded -> bias down, 1 and 2 underloaded -> bias up.
+    assert gates[1].e_score_correction_bias.tolist() == pytest.approx([-1e-3, 1e-3, 1e-3, -1e-3])
+    assert gates[2].e_score_correction_bias.tolist() == [0, 0, 0, 0]  # balanced: sign(0) = 0
     m = load_metrics(loads)
+    assert m["moe_layers"] == [1, 2]
     assert m["moe_imbalance_per_layer"][0] == pytest.approx(8 / 3.75, rel=1e-3)
     assert m["expert_load"][1] == [0.25] * 4

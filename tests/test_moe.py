@@ -1,0 +1,105 @@
+"""Grouped MoE vs the per-expert loop, routing rules, and the seeds' routing options."""
+
+import torch
+
+from glm5.model.moe import MoE
+
+from ._tiny import tiny_config
+
+
+def _moe(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = MoE(tiny_config(**kw))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+        m.gate.e_score_correction_bias.normal_(0, 0.1)
+    return m
+
+
+def test_grouped_equals_reference_forward_and_backward():
+    m = _moe(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    x = torch.randn(3, 11, 64, requires_grad=True)
+    y, _ = m(x)
+    gy = torch.randn_like(y)
+    g_fast = torch.autograd.grad(y, [x] + list(m.parameters()), gy)
+    m.use_reference = True
+    y_ref, _ = m(x)
+    g_ref = torch.autograd.grad(y_ref, [x] + list(m.parameters()), gy)
+    assert torch.allclose(y, y_ref, atol=1e-5)
+    for a, b in zip(g_fast, g_ref):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_router_matches_formula():
+    m = _moe(n_routed_experts=8, num_experts_per_tok=2)
+    x = torch.randn(5, 64)
+    logits, scores, w, idx = m.gate(x)
+    s = torch.sigmoid(x @ m.gate.weight.T)
+    choice = s + m.gate.e_score_correction_bias
+    assert torch.equal(idx.sort(-1).values, choice.topk(2).indices.sort(-1).values)
+    expect = s.gather(1, idx) / s.gather(1, idx).sum(-1, keepdim=True) * 2.5  # bias never in the weights
+    assert torch.allclose(w, expect, atol=1e-6)
+
+
+def test_group_limited_routing_stays_in_kept_groups():
+    m = _moe(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+    x = torch.randn(50, 64)
+    _, scores, _, idx = m.gate(x)
+    choice = (scores + m.gate.e_score_correction_bias).view(50, 4, 4)
+    keep = choice.topk(2, -1).values.sum(-1).topk(2, -1).indices  # [N, 2] groups
+    assert all(set((idx[n] // 4).tolist()) <= set(keep[n].tolist()) for n in range(50))
+
+
+def test_softmax_top2_gating_and_temperature():
+    m = _moe(scoring_func="softmax", num_experts_per_tok=2, router_temperature=2.0, routed_scaling_factor=1.0)
+    x = torch.randn(7, 64)
+    logits, scores, w, idx = m.gate(x)
+    ref = torch.softmax((x @ m.gate.weight.T) / 2.0, -1)
+    assert torch.allclose(scores, ref, atol=1e-6)
+    assert torch.allclose(w.sum(-1), torch.ones(7), atol=1e-6)
+
+
+def test_capacity_factor_drops_overflow_in_token_order():
+    m = _moe(n_routed_experts=8, num_experts_per_tok=2, moe_capacity_factor=0.5)
+    x = torch.randn(40, 64)
+    _, _, _, idx = m.gate(x)
+    keep = m._keep_mask(idx)
+    cap = int(0.5 * 40 * 2 / 8 + 0.999)
+    for e in range(8):
+        pos = (idx == e).nonzero()  # rows in token order
+        kept = keep[pos[:, 0], pos[:, 1]]
+        assert kept.sum() == min(cap, len(pos))
+        assert kept[: min(cap, len(pos))].all()  # the earliest tokens win
+    y, stats = m(x[None])
+    assert stats["dropped_tokens"] == int((~keep).sum()) > 0
+
+
+def test_expert_dropout_only_in_training():
+    m = _moe(expert_dropout=0.5)
+    x = torch.randn(1, 30, 64)
+    m.eval()
+    assert m(x)[1]["dropped_tokens"] == 0
+    m.train()
+    torch.manual_seed(0)
+    assert m(x)[1]["dropped_tokens"] > 0
+
+
+def test_soft_moe_is_dense_mixture_and_causal_safe():
+    m = _moe(moe_type="soft", scoring_func="softmax", routed_scaling_factor=1.0)
+    x = torch.randn(1, 6, 64)
+    y, _ = m(x)
+    y2, _ = m(x[:, :3])  # a token's output never depends on later tokens
+    assert torch.allclose(y[:, :3], y2, atol=1e-6)
+    xf = x[0]
+    p = torch.softmax(xf @ m.gate.weight.T, -1)
+    ref = sum(p[:, e:e + 1] * m.experts.forward_reference(xf, torch.full((6, 1), e), torch.ones(6, 1))
+              for e in range(8))
+    assert torch.allclose(y[0], ref + m.shared_experts(xf), atol=1e-5)
+
+
+def test_stats_count_tokens_per_expert():
+    m = _moe()
+    _, stats = m(torch.randn(2, 9, 64))
+    assert stats["tokens_per_expert"].sum() == 2 * 9 * 2
+    assert stats["router_logits"].dtype == torch.float32 and stats["router_logits"].shape == (18, 8)
