@@ -184,10 +184,13 @@ class PackedLoader:
         self.group_tokens = {g: int(self.shards.doc_len[d].sum()) for g, d in groups.items()}
         self.streams = {g: DocStream(self.shards, groups[g], cfg.seed, k, self.rank, self.world)
                         for k, g in enumerate(self.group_names)}
-        self.infill_ids = InfillTokens.from_special_tokens(self.shards.special_tokens) \
-            if cfg.infill_ratio > 0 else None
+        special = self.shards.special_tokens
+        self.infill_ids = InfillTokens.from_special_tokens(special) \
+            if all(t in special for t in ("[MASK]", "[sMASK]", "[gMASK]", "<sop>", "<eop>")) else None
+        if cfg.infill_ratio > 0 and self.infill_ids is None:
+            raise ValueError(f"infill_ratio > 0 but {cfg.train_path}/meta.json lacks GLM mask token ids")
         self.sentence_end_ids = self.shards.sentence_end_ids
-        self.step, self.rows = 0, 0
+        self.step, self.rows, self.manual_step = 0, 0, False
         for st in cfg.stages or [cfg.stage_at(0)]:
             self._probs(st)  # validate every stage's weights up front
 
@@ -208,19 +211,33 @@ class PackedLoader:
         while True:
             yield self.next_batch()
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
+    def set_step(self, step: int) -> None:
+        """Tell the loader the training step (curriculum stage); without it, one batch = one step."""
+        self.step, self.manual_step = int(step), True
+
+    def next_batch(self, objective: Literal["clm", "glm"] | None = None) -> dict[str, torch.Tensor]:
+        """The next batch. `objective` forces every row to causal LM ("clm") or blank infilling
+        ("glm"); None draws each row's objective with `infill_ratio`."""
+        if objective not in (None, "clm", "glm"):
+            raise ValueError(f"objective must be None, 'clm' or 'glm', got {objective!r}")
+        if objective == "glm" and self.infill_ids is None:
+            raise ValueError("objective 'glm' needs the shards' [MASK]/<sop>/<eop> ids (special_tokens in meta)")
         stage = self.cfg.stage_at(self.step)
         probs = self._probs(stage)
-        rows = [self._build_row(stage.seq_len, probs) for _ in range(self.cfg.batch_size)]
-        self.step += 1
-        return collate(rows, with_mask=self.cfg.infill_ratio > 0)
+        rows = [self._build_row(stage.seq_len, probs, objective) for _ in range(self.cfg.batch_size)]
+        if not self.manual_step:
+            self.step += 1
+        with_mask = objective == "glm" or (objective is None and self.cfg.infill_ratio > 0)
+        return collate(rows, with_mask=with_mask)
 
-    def _build_row(self, T: int, probs: np.ndarray) -> Row:
+    def _build_row(self, T: int, probs: np.ndarray, objective: str | None) -> Row:
         rng = np.random.default_rng([self.cfg.seed, self.rank, self.rows, 7])
         self.rows += 1
         stream = self.streams[self.group_names[int(rng.choice(len(probs), p=probs))]]
         row = Row(T, self.pad_id)
-        infill = self.infill_ids is not None and rng.random() < self.cfg.infill_ratio
+        draw = rng.random()  # drawn even when the objective is forced, so row streams stay aligned
+        infill = objective == "glm" or (objective is None and self.infill_ids is not None
+                                        and draw < self.cfg.infill_ratio)
         while row.room >= 2:
             if infill and row.room >= self.cfg.infill.min_tokens + 2:
                 self._add_infill(row, stream, rng)
@@ -257,7 +274,7 @@ class PackedLoader:
         stream.advance(n, len(rest))
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "rows": self.rows, "rank": self.rank, "world_size": self.world,
+        return {"step": self.step, "rows": self.rows, "manual_step": self.manual_step, "rank": self.rank, "world_size": self.world,
                 "seed": self.cfg.seed, "mix_by": self.cfg.mix_by,
                 "streams": {g: s.state() for g, s in self.streams.items()}}
 
@@ -269,6 +286,7 @@ class PackedLoader:
         if sorted(state["streams"]) != self.group_names:
             raise ValueError(f"loader state groups {sorted(state['streams'])} != data's {self.group_names}")
         self.step, self.rows = int(state["step"]), int(state["rows"])
+        self.manual_step = bool(state.get("manual_step", False))
         for g, s in state["streams"].items():
             self.streams[g].load(s)
 

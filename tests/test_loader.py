@@ -1,0 +1,211 @@
+"""Packed loader: boundaries, labels, rank disjointness, resume, curriculum, mixture, infill rows.
+
+Synthetic shards: every token id is globally unique (1000 + its offset in the corpus), so any token in
+a batch tells which document and position it came from.
+"""
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from glm5.data.infilling import IGNORE
+from glm5.data.loader import DataLoaderConfig, PackedLoader, StageConfig, eval_batches
+from glm5.data.shards import ShardWriter, TokenShards
+
+BASE = 1000
+SPECIAL = {"<|endoftext|>": 1, "[MASK]": 2, "[sMASK]": 3, "[gMASK]": 4, "<sop>": 5, "<eop>": 6}
+
+
+def make_shards(path, n_docs=60, groups=("general", "code"), seed=0, vocab=70000, part_tokens=1500):
+    rng = np.random.default_rng(seed)
+    meta = {"special_tokens": SPECIAL, "pad_token_id": 0, "eos_token_id": 1,
+            "sentence_end_ids": list(range(BASE, BASE + 60000, 7))}
+    w = ShardWriter(path, vocab, meta, max_tokens_per_part=part_tokens)
+    docs, off = [], 0
+    for d in range(n_docs):
+        n = int(rng.integers(3, 90))
+        ids = np.arange(BASE + off, BASE + off + n)
+        w.add(ids, source=f"s{d % 3}", lang="en", domain=groups[d % len(groups)])
+        docs.append(ids)
+        off += n
+    w.close()
+    return docs
+
+
+def locate(docs):
+    """token id -> (doc, position)."""
+    return {int(t): (d, p) for d, ids in enumerate(docs) for p, t in enumerate(ids)}
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    docs = make_shards(tmp_path / "train")
+    return tmp_path / "train", docs
+
+
+def test_shards_round_trip(corpus):
+    path, docs = corpus
+    sh = TokenShards(path)
+    assert sh.meta["dtype"] == "uint32" and len(sh.meta["parts"]) > 1  # vocab > 65535; parts rolled
+    assert len(sh) == len(docs) and sh.num_tokens == sum(map(len, docs))
+    for d in (0, 17, len(docs) - 1):
+        assert np.array_equal(sh.doc(d), docs[d])
+    assert sh.category(1, "domain") == "code" and sorted(sh.groups("domain")) == ["code", "general"]
+
+
+def check_rows(batch, where):
+    """Every segment is a contiguous piece of one document; positions restart; labels are the next
+    token inside the piece (last one -100); padding has segment 0 and no loss."""
+    for r in range(batch["input_ids"].shape[0]):
+        ids, lab = batch["input_ids"][r].tolist(), batch["labels"][r].tolist()
+        pos, seg = batch["position_ids"][r].tolist(), batch["segment_ids"][r].tolist()
+        for s in sorted(set(seg) - {0}):
+            idx = [i for i, x in enumerate(seg) if x == s]
+            assert idx == list(range(idx[0], idx[-1] + 1))
+            toks = [ids[i] for i in idx]
+            doc_pos = [where[t] for t in toks]
+            assert len({d for d, _ in doc_pos}) == 1
+            assert [p for _, p in doc_pos] == list(range(doc_pos[0][1], doc_pos[0][1] + len(toks)))
+            assert [pos[i] for i in idx] == list(range(len(idx)))
+            assert [lab[i] for i in idx] == toks[1:] + [IGNORE]
+        pad = [i for i, x in enumerate(seg) if x == 0]
+        assert all(lab[i] == IGNORE for i in pad)
+        assert len(pad) <= 1  # causal rows are filled up to the last slot
+
+
+def test_packing_keeps_boundaries_and_labels_each_token_once(corpus):
+    path, docs = corpus
+    where = locate(docs)
+    cfg = DataLoaderConfig(train_path=str(path), batch_size=2, seq_len=64, weights={"general": 1.0})
+    loader = PackedLoader(cfg, rank=0, world_size=1)
+    stream = loader.streams["general"]
+    labels = Counter()
+    while stream.epoch == 0:
+        batch = loader.next_batch()
+        check_rows(batch, where)
+        labels.update(t for t in batch["labels"].flatten().tolist() if t != IGNORE)
+    # Exactly once per non-first token in epoch 0, plus what epoch 1 already consumed.
+    expected = Counter()
+    general = [d for d in range(len(docs)) if d % 2 == 0]
+    for d in general:
+        expected.update(docs[d][1:].tolist())
+    order1 = stream._order
+    for d in order1[: stream.pos]:
+        expected.update(docs[d][1:].tolist())
+    expected.update(docs[order1[stream.pos]][1: stream.offset + 1].tolist())
+    assert labels == expected
+
+
+def test_ranks_see_disjoint_documents(corpus):
+    path, docs = corpus
+    where = locate(docs)
+    seen = []
+    for rank in range(2):
+        cfg = DataLoaderConfig(train_path=str(path), batch_size=1, seq_len=32, seed=5)
+        loader = PackedLoader(cfg, rank=rank, world_size=2)
+        got = set()
+        while all(s.epoch == 0 for s in loader.streams.values()):
+            ids = loader.next_batch()["input_ids"].flatten().tolist()
+            if all(s.epoch == 0 for s in loader.streams.values()):
+                got |= {where[t][0] for t in ids if t in where}
+        seen.append(got)
+    assert seen[0] and seen[1] and not (seen[0] & seen[1])
+
+
+def batches_equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_yields_exactly_the_uninterrupted_batches(corpus):
+    path, _ = corpus
+    cfg = DataLoaderConfig(train_path=str(path), batch_size=3, seed=11, infill_ratio=0.5, stages=[
+        StageConfig(until_step=4, seq_len=48, weights={"general": 0.8, "code": 0.2}),
+        StageConfig(until_step=0, seq_len=96, weights={"general": 0.4, "code": 0.6})])
+    full = PackedLoader(cfg, rank=1, world_size=2)
+    reference = [full.next_batch() for _ in range(10)]
+    first = PackedLoader(cfg, rank=1, world_size=2)
+    head = [first.next_batch() for _ in range(6)]
+    state = json.loads(json.dumps(first.state_dict()))  # must survive a JSON checkpoint
+    resumed = PackedLoader(cfg, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    tail = [resumed.next_batch() for _ in range(4)]
+    assert all(batches_equal(x, y) for x, y in zip(reference, head + tail))
+    assert [b["input_ids"].shape[1] for b in reference] == [48] * 4 + [96] * 6  # curriculum
+    other = PackedLoader(cfg, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="rank"):
+        other.load_state_dict(state)
+
+
+def test_mixture_weights_and_manual_step(corpus):
+    path, docs = corpus
+    where = locate(docs)
+    cfg = DataLoaderConfig(train_path=str(path), batch_size=50, seq_len=16, stages=[
+        StageConfig(until_step=10, seq_len=16, weights={"general": 0.9, "code": 0.1}),
+        StageConfig(seq_len=24, weights={"general": 0.1, "code": 0.9})])
+    loader = PackedLoader(cfg, rank=0, world_size=1)
+
+    def code_fraction(batch):
+        first = batch["input_ids"][:, 0].tolist()
+        return np.mean([where[t][0] % 2 == 1 for t in first])
+
+    early = np.mean([code_fraction(loader.next_batch()) for _ in range(4)])
+    loader.set_step(10)
+    late_batch = loader.next_batch()
+    late = np.mean([code_fraction(late_batch)] + [code_fraction(loader.next_batch()) for _ in range(3)])
+    assert early < 0.25 and late > 0.75 and late_batch["input_ids"].shape[1] == 24
+    assert loader.step == 10  # set_step pins the step: the trainer drives the curriculum
+    with pytest.raises(ValueError, match="unknown|values"):
+        PackedLoader(DataLoaderConfig(train_path=str(path), weights={"math": 1.0}), rank=0, world_size=1)
+
+
+def test_infill_rows_mask_and_positions(corpus):
+    path, docs = corpus
+    where = locate(docs)
+    cfg = DataLoaderConfig(train_path=str(path), batch_size=4, seq_len=128, seed=3)
+    loader = PackedLoader(cfg, rank=0, world_size=1)
+    batch = loader.next_batch("glm")
+    assert batch["attention_mask"].shape == (4, 128, 128) and batch["attention_mask"].dtype == torch.bool
+    n_infill = 0
+    for r in range(4):
+        seg, mask = batch["segment_ids"][r], batch["attention_mask"][r]
+        blk, lab, ids = batch["block_position_ids"][r], batch["labels"][r], batch["input_ids"][r]
+        same = seg[:, None] == seg[None, :]
+        assert not (mask & ~same).any()  # never across packed samples
+        for s in seg.unique().tolist():
+            if s == 0:
+                continue
+            m = seg == s
+            if (blk[m] > 0).any():  # a blank-infilling sample
+                n_infill += 1
+                in_a = blk[m] == 0
+                assert (lab[m][in_a] == IGNORE).all() and (lab[m][~in_a] != IGNORE).all()
+                sub = mask[m][:, m]
+                sep = int(in_a.sum())
+                assert sub[:, :sep].all() and not sub[:sep, sep:].any()
+                assert torch.equal(sub[sep:, sep:], torch.tril(torch.ones_like(sub[sep:, sep:])))
+                masked = [t for t in ids[m][~in_a].tolist() if t != SPECIAL["<sop>"]]
+                assert all(t in where for t in masked)
+            else:
+                L = int(m.sum())
+                assert torch.equal(mask[m][:, m], torch.tril(torch.ones(L, L, dtype=torch.bool)))
+    assert n_infill > 0
+    assert "attention_mask" not in loader.next_batch("clm")
+
+
+def test_eval_batches_cover_every_token_once(corpus):
+    path, docs = corpus
+    inputs, row_ends = Counter(), set()
+    for rank in range(2):
+        for batch in eval_batches(str(path), seq_len=40, batch_size=3, rank=rank, world_size=2):
+            assert set(batch) == {"input_ids", "labels", "position_ids", "segment_ids"}
+            ids, seg = batch["input_ids"], batch["segment_ids"]
+            inputs.update(ids[seg > 0].tolist())
+            row_ends |= {int(r[s > 0][-1]) for r, s in zip(ids, seg)}
+    # Every token once, except that a document cut at a row edge repeats that edge token.
+    total = Counter(t for d in docs for t in d.tolist())
+    assert set(inputs) == set(total)
+    repeated = {t for t, c in inputs.items() if c > 1}
+    assert repeated <= row_ends and all(inputs[t] == 2 for t in repeated)
