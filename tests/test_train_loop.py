@@ -1,0 +1,105 @@
+"""The training loop on a very small model and synthetic bigram data: learning, objectives, MTP, the
+non-finite guard, exact resume, checkpoint rotation, the final HF-format model."""
+
+import json
+
+import pytest
+import torch
+
+from glm5.core.config import from_dict
+from glm5.model.hf_adapter import from_pretrained
+from glm5.train.checkpoint import resolve_resume, step_dirs
+from glm5.train.config import TrainConfig
+from glm5.train.data import SyntheticData
+from glm5.train.trainer import Trainer
+
+MODEL = {"vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "intermediate_size": 96,
+         "moe_intermediate_size": 24, "block_position_embedding": True}
+
+
+def make(run_dir, steps=6, data=None, **sections):
+    d = {"model": {"name": "tiny", "overrides": dict(MODEL)},
+         "optim": {"lr": 3e-3}, "schedule": {"warmup_steps": 2},
+         "train": {"steps": steps},
+         "log": {"run_dir": str(run_dir), "progress": False, "eval_batches": 1, "measure_peak": False}}
+    for k, v in sections.items():
+        d.setdefault(k, {}).update(v)
+    cfg = from_dict(TrainConfig, d)
+    return Trainer(cfg, data=data or SyntheticData(96, 4, 24, seed=1))
+
+
+def test_30_steps_lower_the_loss_and_report_mtp(tmp_path):
+    t = make(tmp_path, steps=30)
+    summary = t.fit()
+    losses = [h["loss"] for h in t.history]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
+    assert all("mtp_loss" in h and h["mtp_loss"] > 0 for h in t.history)
+    assert summary["val_loss"] < summary["unigram_loss"]
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["event"] == "config" and recs[-1]["event"] == "final"
+    assert any("expert_load" in r for r in recs)
+
+
+@pytest.mark.parametrize("objectives", [{"clm": 1.0}, {"glm": 1.0}, {"clm": 1.0, "glm": 1.0}])
+def test_each_objective_runs(tmp_path, objectives):
+    t = make(tmp_path, steps=3, train={"objectives": objectives, "grad_accum": 2, "mtp_weight": 0.3})
+    t.fit()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in t.history)
+    drawn = {k for h in t.history for k, n in h["objectives"].items() if n}
+    assert drawn == {k for k, w in objectives.items() if w}
+    assert all(("mtp_loss" in h) == (h["objectives"].get("clm", 0) > 0) for h in t.history)
+
+
+def test_no_mtp_when_weight_zero(tmp_path):
+    t = make(tmp_path, steps=2, train={"mtp_weight": 0.0})
+    t.fit()
+    assert all("mtp_loss" not in h for h in t.history)
+
+
+def test_nonfinite_step_is_skipped_with_unchanged_weights(tmp_path):
+    t = make(tmp_path, steps=5, stability={"max_bad_steps": 3, "nan_lr_factor": 0.5})
+    w = t.raw_model.lm_head.weight
+    w.register_hook(lambda g: g * float("inf") if t.step == 2 else g)
+    for _ in range(2):
+        t.train_step()
+    before = {n: p.detach().clone() for n, p in t.raw_model.named_parameters()}
+    opt_state = {k: v.clone() for k, v in t.optimizer.state[w].items()}
+    m = t.train_step()
+    assert m.get("skipped") and t.guard.bad_steps == 1 and t.guard.lr_scale == 0.5
+    assert "lm_head.weight" in t.guard.last_bad
+    for n, p in t.raw_model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert all(torch.equal(t.optimizer.state[w][k], v) for k, v in opt_state.items())
+    m = t.train_step()
+    assert not m.get("skipped") and not torch.equal(w, before["lm_head.weight"])
+
+
+def test_resume_reproduces_uninterrupted_losses(tmp_path):
+    sections = dict(train={"steps": 7, "objectives": {"clm": 1.0, "glm": 0.5}, "grad_accum": 2},
+                    optim={"name": "muon"}, checkpoint={"resume": "auto"})
+    full = make(tmp_path / "a", **sections)
+    full.model.config.expert_dropout = 0.1  # exercises the torch RNG across the resume
+    full.fit()
+    part = make(tmp_path / "b", **sections)
+    part.model.config.expert_dropout = 0.1
+    for _ in range(3):
+        part.train_step()
+    part.save()
+    resumed = make(tmp_path / "b", **sections)
+    resumed.model.config.expert_dropout = 0.1
+    assert resumed.step == 3
+    resumed.fit()
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history][3:]
+
+
+def test_checkpoint_rotation_and_final_model(tmp_path):
+    t = make(tmp_path, steps=4, checkpoint={"every": 1, "keep_last": 2})
+    t.fit()
+    dirs = step_dirs(tmp_path / "checkpoints")
+    assert [d.name for d in dirs] == ["step_00000003", "step_00000004"]
+    (tmp_path / "checkpoints" / ".tmp-step_00000009-x").mkdir()  # a write killed half-way
+    assert resolve_resume("auto", tmp_path / "checkpoints") == dirs[-1]
+    loaded = from_pretrained(tmp_path / "final", dtype=torch.float32)
+    ids = torch.randint(0, 96, (1, 8))
+    t.raw_model.eval()
+    torch.testing.assert_close(loaded(ids).logits, t.raw_model(ids).logits)
