@@ -1,0 +1,39 @@
+"""Run the app on a real loopback socket in a background thread (tests and `bench/serve.py`).
+
+`with serve_in_thread(app) as base_url:` starts uvicorn on 127.0.0.1 and a free port, waits until it
+accepts connections, and shuts it down (running the app's graceful shutdown) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0):
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
