@@ -111,9 +111,7 @@ def create_app(engine, tokenizer=None, config: ServerConfig | None = None, model
     name = config.served_model_name or model_name or Path(str(getattr(engine_cfg, "model", "glm5"))).name
     max_len = max_model_len or int(getattr(engine_cfg, "max_model_len", 8192))
     metrics = ServerMetrics(name)
-    aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
-                          max_batch_size=config.max_batch_size, preferred_batch_size=config.preferred_batch_size,
-                          batch_timeout_ms=config.batch_timeout_ms)
+    aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests)
     state = ServerState(engine, aengine, tokenizer, config, name, max_len)
 
     @asynccontextmanager

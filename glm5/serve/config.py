@@ -1,20 +1,20 @@
 """`ServerConfig`: HTTP, security, admission and dynamic-batching settings of `glm5 serve`.
 
 The engine has its own `EngineConfig` (glm5/infer/config.py); the dynamic-batching knobs live there
-(`max_batch_size`, `preferred_batch_size`, `batch_timeout_ms`) and the server reads them from the engine
-when present, falling back to the values here.
+(`max_batch_size`, `preferred_batch_size`, `batch_timeout_ms`) and `AsyncEngine` applies them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
     port: int = 8000  # TCP port
-    api_key: str | None = None  # Bearer key required on /v1/* and /tokenize, /detokenize, /metrics
+    api_key: str | None = None  # Bearer key required on /v1/*, /tokenize, /detokenize (/health, /metrics stay open)
     admin_key: str | None = None  # Bearer key required on /admin/*; admin routes are off without it
     served_model_name: str | None = None  # model id clients must send; default: the model path's name
     max_waiting_requests: int = 256  # past this many queued requests answer 503 + Retry-After
@@ -22,18 +22,13 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20  # request body bound for API routes (413 beyond)
     max_admin_body_bytes: int = 2 * 2**30  # bound for expert uploads
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
-    max_batch_size: int = 32  # fallback if the engine config lacks it: never more running requests
-    preferred_batch_size: int = 16  # fallback: when idle, gather this many before the first step...
-    batch_timeout_ms: float = 500.0  # fallback: ...but wait at most this long
     shutdown_timeout_s: float = 10.0  # graceful shutdown: drain this long, then abort what is left
-    tool_parser: str = "glm47"  # GLM XML tool-call format (glm45 and glm47 are parsed alike)
-    reasoning_parser: str = "glm45"  # `<think>` splitting into reasoning_content ("" turns it off)
+    tool_parser: Literal["glm47", "glm45", ""] = "glm47"  # GLM XML tool calls (both alike; "" = off)
+    reasoning_parser: Literal["glm45", ""] = "glm45"  # `<think>` -> reasoning_content ("" = off)
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port: {self.port} is not a TCP port")
-        for name in ("max_waiting_requests", "max_body_bytes", "max_batch_size", "preferred_batch_size"):
+        for name in ("max_waiting_requests", "max_body_bytes", "max_admin_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        if self.batch_timeout_ms < 0:
-            raise ValueError("batch_timeout_ms: must be >= 0")

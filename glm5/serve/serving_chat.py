@@ -47,7 +47,7 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, 
             enable_thinking=enable_thinking, tokenize=False, **kwargs)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
-    parse_tools = tools if tools and req.tool_choice != "none" else None
+    parse_tools = tools if tools and req.tool_choice != "none" and state.config.tool_parser else None
     forced = ""
     if parse_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
         if prompt_opens_reasoning(text):

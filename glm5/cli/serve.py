@@ -1,0 +1,102 @@
+"""`glm5 serve`: the OpenAI-compatible server.
+
+    glm5 serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--admin-key KEY]
+               [--config serve.toml] [--engine.max_num_seqs=64 | --max_num_seqs=64] [--server.key=value]
+
+`--config` is a TOML file with `[engine]` (EngineConfig) and `[server]` (ServerConfig) tables. Engine and
+server fields can be overridden as `--engine.key=value` / `--server.key=value`, or flat as `--key=value`
+(`--key value`) when the name is unambiguous. Keys may also come from the environment (`GLM5_API_KEY`,
+`GLM5_ADMIN_KEY`) so they stay out of the process list. Binds 127.0.0.1 unless `--host` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from glm5.core.config import ConfigError, apply_overrides, from_dict, load_toml
+from glm5.infer.config import EngineConfig
+from glm5.serve.config import ServerConfig
+
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)}
+
+
+def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
+    p = argparse.ArgumentParser(prog="glm5 serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    p.add_argument("--config", help="TOML with [engine] and [server] tables")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000)")
+    p.add_argument("--api-key", help="require this Bearer key on /v1/* (or set GLM5_API_KEY)")
+    p.add_argument("--admin-key", help="enable /admin/* with this Bearer key (or set GLM5_ADMIN_KEY)")
+    p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
+    args, rest = p.parse_known_args(argv)
+    d = load_toml(args.config) if args.config else {}
+    unknown = set(d) - {"engine", "server"}
+    if unknown:
+        raise ConfigError(f"unknown config table(s) {sorted(unknown)}; expected [engine] and [server]")
+    engine_d, server_d = dict(d.get("engine", {})), dict(d.get("server", {}))
+    apply_overrides(d := {"engine": engine_d, "server": server_d}, _qualify(_pairs(rest)))
+    engine_d["model"] = args.model
+    for key, value in (("host", args.host), ("port", args.port), ("served_model_name", args.served_model_name),
+                       ("api_key", args.api_key or os.environ.get("GLM5_API_KEY")),
+                       ("admin_key", args.admin_key or os.environ.get("GLM5_ADMIN_KEY"))):
+        if value is not None:
+            server_d[key] = value
+    return from_dict(EngineConfig, d["engine"], "engine"), from_dict(ServerConfig, d["server"], "server")
+
+
+def _pairs(rest: list[str]) -> list[str]:
+    """`--k=v` and `--k v` -> ["k=v", ...]."""
+    out, i = [], 0
+    while i < len(rest):
+        item = rest[i]
+        if not item.startswith("--"):
+            raise ConfigError(f"unexpected argument {item!r}")
+        if "=" not in item:
+            if i + 1 >= len(rest):
+                raise ConfigError(f"{item} needs a value")
+            item, i = f"{item}={rest[i + 1]}", i + 1
+        out.append(item[2:].replace("-", "_", item.find("=")) if "." not in item.split("=")[0] else item[2:])
+        i += 1
+    return out
+
+
+def _qualify(pairs: list[str]) -> list[str]:
+    """Give flat `key=value` its table: engine fields first, then server fields."""
+    out = []
+    for item in pairs:
+        key = item.split("=", 1)[0]
+        if "." in key:
+            if key.split(".")[0] not in ("engine", "server"):
+                raise ConfigError(f"unknown option --{key}; use --engine.KEY or --server.KEY")
+            out.append(item)
+        elif key in ENGINE_FIELDS:
+            out.append(f"engine.{item}")
+        elif key in SERVER_FIELDS:
+            out.append(f"server.{item}")
+        else:
+            raise ConfigError(f"unknown option --{key} (not an EngineConfig or ServerConfig field)")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    try:
+        engine_cfg, server_cfg = parse_args(argv)
+    except ConfigError as e:
+        print(f"glm5 serve: {e}")
+        return 2
+    import uvicorn
+
+    from glm5.infer.engine import LLMEngine
+    from glm5.serve.app import create_app
+
+    engine = LLMEngine(engine_cfg)
+    app = create_app(engine, config=server_cfg)
+    print(f"glm5 serve: {app.state.serve.model_name} on http://{server_cfg.host}:{server_cfg.port} "
+          f"(auth {'on' if server_cfg.api_key else 'off'}, admin {'on' if server_cfg.admin_key else 'off'})")
+    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level="info",
+                timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
+    return 0
