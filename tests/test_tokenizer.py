@@ -1,0 +1,110 @@
+"""Tokenizer: round trips, special tokens, streaming detokenizer, training, GLM-format files."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from glm5.data.tokenizer import SPECIAL_TOKENS, GLMTokenizer, IncrementalDetokenizer, load_tokenizer
+from glm5.data.tokenizer_cli import TokenizerTrainConfig, main as tokenizer_main, train_tokenizer
+
+ASSET = Path(__file__).resolve().parents[1] / "glm5" / "data" / "assets" / "tokenizer-8k"
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "train.jsonl.gz"
+
+TEXTS = {
+    "english": "The quick brown fox jumps over the lazy dog. It's 3.14159, isn't it?",
+    "chinese": "深度学习模型需要大量的数据。你好，世界！GLM 是一个双语模型。",
+    "code": "class A:\n    def f(self, x):\n        if x:\n            return {'a': [1, 2]}\n\t\treturn None\n",
+    "emoji": "ok 😀👍🏽👨‍👩‍👧 ❤️ 🇨🇳 done",
+    "special": "[gMASK]<sop><|user|>hi<|assistant|><think>hmm</think>yes<|endoftext|>",
+    "whitespace": "  leading\n\n\n  trailing   \r\n\tx  ",
+    "mixed": "Zeta函数ζ(s)=Σ n^-s ✓ naïve café — «quotes» 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> GLMTokenizer:
+    return load_tokenizer(ASSET)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_round_trip(tok, name):
+    text = TEXTS[name]
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+def test_special_tokens_fit_the_model_vocab(tok):
+    assert tok.vocab_size == 8192  # the tiny/small presets' vocab_size
+    assert set(tok.special_tokens) == set(SPECIAL_TOKENS)
+    assert sorted(tok.special_tokens.values()) == list(range(8192 - len(SPECIAL_TOKENS), 8192))
+    for name, i in tok.special_tokens.items():
+        assert tok.encode(name) == [i] and tok.decode([i]) == name
+    assert tok.eos_token_ids == [tok.special_tokens[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    assert tok.pad_token_id == tok.special_tokens["<|endoftext|>"]
+    ids = tok.encode(TEXTS["special"])
+    assert tok.decode(ids, skip_special_tokens=True) == "hihmmyes"
+    assert tok.encode("x", add_special_tokens=True)[:2] == [tok.special_tokens["[gMASK]"], tok.special_tokens["<sop>"]]
+
+
+def test_indentation_tokens(tok):
+    """Seed D4: runs of 4/8/12/16 spaces are single tokens."""
+    for width in (4, 8, 12, 16):
+        ids = tok.encode("\n" + " " * width + "return")
+        assert tok.token_to_id(" " * width) in ids
+    assert len(tok.encode(" " * 16)) == 1
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_detokenizer_never_splits_characters(tok, skip):
+    text = TEXTS["emoji"] + TEXTS["chinese"] + TEXTS["special"] + TEXTS["mixed"]
+    ids = tok.encode(text)
+    det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    chunks = [det.add(i) for i in ids]
+    chunks.append(det.finish())
+    assert "".join(chunks) == det.text == tok.decode(ids, skip_special_tokens=skip)
+    assert not any("\ufffd" in c for c in chunks)
+    assert "" in chunks[:-1]  # some character really was split across tokens (byte tokens held back)
+
+
+def test_incremental_detokenizer_flushes_a_dangling_byte(tok):
+    lead = tok.token_to_id("ð")  # the byte-level token of 0xF0, the first byte of a 4-byte character
+    assert tok.token_bytes(lead) == b"\xf0"
+    det = IncrementalDetokenizer(tok)
+    assert det.add(tok.encode("é")) == "é"
+    assert det.add(lead) == ""
+    assert det.finish() == "\ufffd"
+
+
+def test_training_is_deterministic_and_keeps_specials_at_the_end(tmp_path):
+    cfg = TokenizerTrainConfig(inputs=[str(CORPUS)], vocab_size=700, max_docs=400, output=str(tmp_path / "a"))
+    a = train_tokenizer(cfg)
+    b = train_tokenizer(cfg)
+    assert a.tok.to_str() == b.tok.to_str()
+    assert a.vocab_size == 700
+    assert sorted(a.special_tokens.values()) == list(range(700 - len(SPECIAL_TOKENS), 700))
+    for text in TEXTS.values():
+        assert a.decode(a.encode(text)) == text
+    a.save(tmp_path / "a")
+    again = load_tokenizer(tmp_path / "a")
+    assert again.encode(TEXTS["code"]) == a.encode(TEXTS["code"])
+    assert load_tokenizer(tmp_path / "a" / "tokenizer.json").vocab_size == 700  # a bare file loads too
+
+
+@pytest.mark.slow
+def test_cli_reproduces_the_shipped_tokenizer(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    tokenizer_main(["--config", str(root / "configs/data/tokenizer.toml"), f"--output={tmp_path / 'tok'}",
+                    f"--inputs=[\"{CORPUS}\"]"])
+    assert (tmp_path / "tok" / "tokenizer.json").read_text() == (ASSET / "tokenizer.json").read_text()
+
+
+def test_missing_glm_tokens_are_reported(tmp_path):
+    from tokenizers import Tokenizer, models
+    bare = Tokenizer(models.BPE())
+    with pytest.raises(ValueError, match="lacks GLM special tokens"):
+        GLMTokenizer(bare)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(tmp_path)
