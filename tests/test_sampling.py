@@ -78,20 +78,21 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def empirical(logits_row, n, **params):
     """Token frequencies of n independent draws of one row (one batch of n identical rows)."""
     sampler = Sampler(torch.Generator().manual_seed(0))
-    out = sampler(logits_row.expand(n, -1).clone(), [row(**params) for _ in range(n)])
+    r = row(**params)
+    out = sampler(logits_row.expand(n, -1).clone(), [r] * n)
     return torch.bincount(out.token_ids, minlength=logits_row.shape[-1]).float() / n
 
 
 def test_sampled_distribution_follows_temperature_top_k_top_p():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
-    n = 40000
+    n = 20000
     t = 2.0
     expect = torch.softmax(logits[0] / t, dim=-1)
-    assert torch.allclose(empirical(logits, n, temperature=t), expect, atol=0.01)
+    assert torch.allclose(empirical(logits, n, temperature=t), expect, atol=0.012)
     expect_k = torch.tensor([0.4, 0.3, 0, 0]) / 0.7
-    assert torch.allclose(empirical(logits, n, top_k=2), expect_k, atol=0.01)
+    assert torch.allclose(empirical(logits, n, top_k=2), expect_k, atol=0.012)
     expect_p = torch.tensor([0.4, 0.3, 0.2, 0]) / 0.9  # 0.4 + 0.3 < 0.8: the third token is needed
-    assert torch.allclose(empirical(logits, n, top_p=0.8), expect_p, atol=0.01)
+    assert torch.allclose(empirical(logits, n, top_p=0.8), expect_p, atol=0.012)
 
 
 def test_top_p_top_k_min_p_masks():
@@ -234,11 +235,12 @@ def test_beam_search_matches_hf_transformers(early_stopping):
                           early_stopping=early_stopping, use_cache=False, output_scores=True,
                           return_dict_in_generate=True)
         ours = run_beam(table, width, 5, lp, early_stopping)
-        for i, beam in enumerate(ours):
-            seq = out.sequences[i, 1:].tolist()
+        theirs = []
+        for seq, score in zip(out.sequences[:, 1:].tolist(), out.sequences_scores.tolist()):
             seq = seq[: seq.index(0) + 1] if 0 in seq else seq  # HF pads after EOS with 0
-            assert beam.token_ids == seq, (seed, width, lp, i)
-            assert beam.score == pytest.approx(float(out.sequences_scores[i]), abs=1e-4)
+            theirs.append((round(score, 4), seq))
+        # sorted, so that exact ties (the tables have symmetric paths) compare equal whatever their order
+        assert sorted(theirs) == sorted((round(b.score, 4), b.token_ids) for b in ours), (seed, width, lp)
 
 
 # ---- speculative decoding ----------------------------------------------------------------------------
@@ -254,7 +256,7 @@ def test_spec_verify_greedy_is_exact():
 def test_spec_verify_preserves_the_target_distribution(deterministic_draft):
     """Chain of 2 draft tokens from a draft table q, verified against a target table p: the first two
     output tokens must follow p(x0 | start) p(x1 | x0) whatever q is."""
-    vocab, trials = 4, 20000
+    vocab, trials = 4, 10000
     g = torch.Generator().manual_seed(7)
     p_tab = torch.softmax(torch.randn(vocab, vocab, generator=g), dim=-1)  # [prev, next]
     q_tab = torch.softmax(torch.randn(vocab, vocab, generator=g) * 2, dim=-1)
@@ -274,4 +276,4 @@ def test_spec_verify_preserves_the_target_distribution(deterministic_draft):
             out.append(int(torch.multinomial(p_tab[out[0]], 1, generator=g)))
         counts[out[0], out[1]] += 1
     expect = p_tab[0][:, None] * p_tab  # [x0, x1]
-    assert (counts / trials - expect).abs().max() < 0.015
+    assert (counts / trials - expect).abs().max() < 0.02  # ~4 sigma; seeded, so deterministic

@@ -47,27 +47,24 @@ class BeamSearch:
         totals = torch.tensor([b.sum_logprob for b in self.beams])[:, None] + logprobs.float().cpu()
         k = min(max(2, 1 + len(self.eos_token_ids)) * self.width, totals.numel())
         top, flat = totals.flatten().topk(k)  # [K] best continuations over all beams
-        running, parents, hits = [], [], []
+        # like HF, whether finished hypotheses may still be added is decided once per step
+        accepting = self._improvable and not (len(self.finished) == self.width and self.early_stopping is True)
+        running, parents, hits, new_finished = [], [], [], []
         for rank, (total, idx) in enumerate(zip(top.tolist(), flat.tolist())):
             parent, token = divmod(idx, vocab)
             beam = Beam(self.beams[parent].token_ids + [token], total)
             hit = token in self.eos_token_ids or num_gen >= self.max_tokens
             hits.append(hit)
-            if hit and rank < self.width:
-                self._add_finished(beam, num_gen)
+            if hit and rank < self.width and accepting:
+                beam.score = total / num_gen ** self.length_penalty
+                new_finished.append(beam)
             elif not hit and len(running) < self.width:
                 running.append(beam)
                 parents.append(parent)
+        self.finished = sorted(self.finished + new_finished, key=lambda b: -b.score)[: self.width]
         self.beams = running
         self._update_done(all(hits), num_gen)
         return parents
-
-    def _add_finished(self, beam: Beam, num_gen: int) -> None:
-        full = len(self.finished) == self.width
-        if not self._improvable or (full and self.early_stopping is True):
-            return
-        beam.score = beam.sum_logprob / num_gen ** self.length_penalty
-        self.finished = sorted(self.finished + [beam], key=lambda b: -b.score)[: self.width]
 
     def _update_done(self, all_hit: bool, num_gen: int) -> None:
         full = len(self.finished) == self.width
