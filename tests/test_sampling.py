@@ -277,3 +277,13 @@ def test_spec_verify_preserves_the_target_distribution(deterministic_draft):
         counts[out[0], out[1]] += 1
     expect = p_tab[0][:, None] * p_tab  # [x0, x1]
     assert (counts / trials - expect).abs().max() < 0.02  # ~4 sigma; seeded, so deterministic
+
+
+def test_position_logprobs_dict():
+    from glm5.infer.sampling import position_logprobs
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    out = Sampler()(logits, [row(temperature=0, logprobs=2)])
+    d = position_logprobs(out.logprob_token_ids[0], out.logprobs[0], int(out.sampled_ranks[0]), 2)
+    ref = torch.log_softmax(logits[0], -1)
+    assert list(d) == [1, 2] and d[1].rank == 1 and d[2].rank == 2
+    assert d[2].logprob == pytest.approx(float(ref[2]))

@@ -266,3 +266,98 @@ def test_stats_and_finished_ids():
     assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0.0
     assert s.schedule().finished_ids == ["r"]
     assert r.metrics.first_token_time is not None and r.metrics.ttft >= 0
+
+
+# ---- the whole contract against a naive reference, with a fake runner ------------------------------
+
+VOCAB = 11
+
+
+def next_token(ctx):
+    """A deterministic "model": the next token is a function of the whole context."""
+    return (sum(ctx[-3:]) * 7 + len(ctx) * 3 + ctx[0]) % VOCAB
+
+
+def naive_generate(prompt, max_tokens):
+    seq = list(prompt)
+    while len(seq) - len(prompt) < max_tokens:
+        seq.append(next_token(seq))
+        if seq[-1] == EOS:
+            break
+    return seq[len(prompt):]
+
+
+class FakeRunner:
+    """Writes each scheduled token into its slot (block table -> slot), then rebuilds every sampling
+    request's context *from the slots*, so a wrong block table, a bad prefix hit or a lost block after
+    preemption shows up as a wrong token. Drafts: the true next tokens with every third one corrupted."""
+
+    def __init__(self, block_size):
+        self.bs = block_size
+        self.slots = {}
+        self.step = 0
+
+    def slot(self, req, pos):
+        return req.block_ids[pos // self.bs] * self.bs + pos % self.bs
+
+    def run(self, out, num_spec):
+        for s in out.scheduled:  # all writes first, as a layer writes KV before attention reads it
+            toks = s.request.all_token_ids + s.spec_token_ids
+            for pos in range(s.start, s.start + s.num_tokens):
+                self.slots[self.slot(s.request, pos)] = toks[pos]
+        sampled, drafts = {}, {}
+        for s in (s for s in out.scheduled if s.samples):
+            req = s.request
+            n = req.num_tokens + len(s.spec_token_ids)
+            ctx = [self.slots[self.slot(req, p)] for p in range(n)]
+            assert ctx == req.all_token_ids + s.spec_token_ids, req
+            base = req.num_tokens
+            accepted = []
+            for d in s.spec_token_ids + [None]:  # greedy verification
+                accepted.append(next_token(ctx[:base + len(accepted)]))
+                if accepted[-1] != d:
+                    break
+            sampled[req.request_id] = accepted
+            self.step += 1
+            guess, seq = [], req.all_token_ids + accepted
+            for j in range(num_spec):
+                t = next_token(seq + guess)
+                guess.append((t + 1) % VOCAB if (self.step + j) % 3 == 0 else t)
+            drafts[req.request_id] = guess
+        return sampled, drafts
+
+
+@pytest.mark.parametrize("chunked,prefix,num_spec,seed", [
+    (True, True, 0, 0), (True, False, 0, 1), (False, True, 0, 2), (True, True, 2, 3), (True, True, 3, 4),
+    (False, False, 2, 5),
+])
+def test_outputs_match_naive_generation_under_pressure(chunked, prefix, num_spec, seed):
+    import random
+    rng = random.Random(seed)
+    s = make_sched(num_blocks=14, max_num_batched_tokens=24 if chunked else 32, max_num_seqs=5,
+                   max_model_len=32, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
+                   speculative_num_tokens=num_spec)
+    shared = [rng.randrange(1, VOCAB) for _ in range(9)]
+    expected = {}
+    for i in range(14):
+        prompt = (shared if i % 2 else []) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
+        max_tokens = rng.randrange(1, 32 - len(prompt) + 1)
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=[EOS])
+        s.add_request(r)
+        expected[r.request_id] = (r, naive_generate(prompt, max_tokens))
+    runner = FakeRunner(4)
+    for _ in range(500):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        assert out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
+        assert len(s.running) <= s.config.max_num_seqs
+        sampled, drafts = runner.run(out, num_spec)
+        s.update(out, sampled, draft_token_ids=drafts)
+    assert not s.has_unfinished_requests()
+    for rid, (r, want) in expected.items():
+        assert r.output_token_ids == want, rid
+    assert s.block_manager.num_free_blocks == 14
+    assert s.num_preemptions > 0  # the pool is small enough to force preemption
+    if prefix:
+        assert s.block_manager.prefix_cache_hits > 0

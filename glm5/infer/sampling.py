@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from glm5.infer.outputs import Logprob, PositionLogprobs
+
 Sequence = list[int] | tuple[int, ...]
 
 
@@ -243,6 +245,16 @@ def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int):
     ranks = (logprobs > sampled_lp).sum(dim=-1) + 1  # [N]
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
     return ids, torch.cat([sampled_lp, top_lp], dim=1), ranks
+
+
+def position_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, rank: int | None, k: int) -> PositionLogprobs:
+    """One row of `gather_logprobs` output -> {token_id: Logprob} with the sampled token and the top-k.
+    `rank` is the sampled token's rank (the top-k tokens have ranks 1..k)."""
+    ids_l, lps = ids.tolist(), logprobs.tolist()
+    out = {ids_l[0]: Logprob(lps[0], rank)}
+    for j in range(1, min(k, len(ids_l) - 1) + 1):
+        out.setdefault(ids_l[j], Logprob(lps[j], j))
+    return out
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence, k: int):
