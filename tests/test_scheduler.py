@@ -361,3 +361,21 @@ def test_outputs_match_naive_generation_under_pressure(chunked, prefix, num_spec
     assert s.num_preemptions > 0  # the pool is small enough to force preemption
     if prefix:
         assert s.block_manager.prefix_cache_hits > 0
+
+
+def test_stop_strings_need_a_detokenizer():
+    with pytest.raises(ValueError, match="detokenizer"):
+        make_sched().add_request(Request("r", [1, 2], SamplingParams(stop=["x"])))
+
+
+def test_engine_config_loads_with_overrides_and_validates():
+    from glm5.core.config import ConfigError, load_config
+    cfg = load_config(EngineConfig, None, ["--max_num_seqs=4", "--session_policy=summarize", "--num_blocks=64"])
+    assert cfg.max_num_seqs == 4 and cfg.session_policy == "summarize" and cfg.block_size == 16
+    assert (cfg.max_batch_size, cfg.preferred_batch_size, cfg.batch_timeout_ms) == (32, 16, 500)
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        load_config(EngineConfig, None, ["--max_num_seqs=0"])
+    with pytest.raises(ConfigError, match="quantization"):
+        load_config(EngineConfig, None, ["--quantization=int4"])
+    with pytest.raises(ValueError, match="chunked prefill"):
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=32)

@@ -94,6 +94,8 @@ class Scheduler:
         if req.num_prompt_tokens > self.config.max_model_len:
             raise ValueError(f"request {req.request_id!r}: the prompt has {req.num_prompt_tokens} tokens, "
                              f"more than max_model_len={self.config.max_model_len}")
+        if req.params.stop and req.detokenizer is None:
+            raise ValueError(f"request {req.request_id!r}: stop strings need a detokenizer on the request")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
