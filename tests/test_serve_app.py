@@ -246,6 +246,17 @@ def test_stream_disconnect_aborts(server):
     assert len(engine.aborted) == 1 and not engine.reqs
 
 
+@pytest.mark.parametrize("server", [{"engine": {"step_sleep": 0.1}}], indirect=True)
+def test_nonstream_disconnect_aborts(server):
+    engine, url = server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 200}, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while not engine.aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(engine.aborted) == 1 and not engine.reqs
+
+
 def _expert_file(**override) -> bytes:
     cfg = tiny_config()
     layer = cfg.moe_layers[0]

@@ -36,49 +36,83 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse(e.body(), status_code=status, headers=headers)
 
 
-class BodyLimit:
-    """Pure ASGI middleware: buffer the request body up to a bound (413 beyond), then replay it."""
+class Gatekeeper:
+    """Pure ASGI middleware (no BaseHTTPMiddleware, so client disconnects reach the handlers):
+    request id, auth before the body is read, body bound (413), and the id/version response headers."""
 
-    def __init__(self, app, max_bytes: int, max_admin_bytes: int):
-        self.app, self.max_bytes, self.max_admin_bytes = app, max_bytes, max_admin_bytes
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.max_admin_bytes if scope["path"].startswith("/admin/") else self.max_bytes
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _error(413, f"request body larger than {limit} bytes", param="body")(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            size += len(msg.get("body", b""))
-            if size > limit:
-                return await _error(413, f"request body larger than {limit} bytes", param="body")(
-                    scope, receive, send)
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_headers(msg):
+            if msg["type"] == "http.response.start":
+                extra = [(b"x-request-id", rid.encode("latin-1", "replace"))]
+                if not any(k.lower() == b"x-model-version" for k, _ in msg.get("headers", [])):
+                    extra.append((b"x-model-version", str(self.state.async_engine.model_version).encode()))
+                msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
+            await send(msg)
+
+        try:
+            self._authorize(scope["path"], headers.get("authorization", ""))
+            body = await self._read_body(scope, receive, headers)
+        except APIError as e:
+            return await JSONResponse(e.body(), e.status, e.headers)(scope, receive, send_with_headers)
+        if body is None:
+            return await self.app(scope, receive, send_with_headers)
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls see the client's disconnect
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, send_with_headers)
+
+    def _authorize(self, path: str, authorization: str) -> None:
+        cfg = self.state.config
+        if path.startswith("/admin/"):
+            if cfg.admin_key is None:
+                raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
+                               "permission_error", code="admin_disabled")
+            _check_bearer(authorization, cfg.admin_key, "admin key")
+        elif path.startswith(("/v1/", "/tokenize", "/detokenize")):
+            _check_bearer(authorization, cfg.api_key, "API key")
+
+    async def _read_body(self, scope, receive, headers) -> bytes | None:
+        """The whole body, bounded; None for bodiless methods."""
+        if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return None
+        cfg = self.state.config
+        limit = cfg.max_admin_body_bytes if scope["path"].startswith("/admin/") else cfg.max_body_bytes
+        declared = headers.get("content-length")
+        too_big = APIError(413, f"request body larger than {limit} bytes", param="body")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise too_big
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise APIError(499, "client disconnected", code="client_closed_request")
+            size += len(msg.get("body", b""))
+            if size > limit:
+                raise too_big
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                return b"".join(chunks)
 
 
-def _check_bearer(request: Request, key: str | None, what: str) -> None:
+def _check_bearer(authorization: str, key: str | None, what: str) -> None:
     if key is None:
         return
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(401, f"missing or invalid {what} (Authorization: Bearer ...)", "authentication_error",
                        code="invalid_api_key")
@@ -124,7 +158,7 @@ def create_app(engine, tokenizer=None, config: ServerConfig | None = None, model
     app.state.serve = state
     _install_handlers(app, state)
     _install_routes(app, state)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, max_admin_bytes=config.max_admin_body_bytes)
+    app.add_middleware(Gatekeeper, state=state)
     return app
 
 
@@ -167,26 +201,8 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
     async def internal(request, e):
         return _error(500, f"internal error: {type(e).__name__}", "internal_server_error", code="internal_error")
 
-    @app.middleware("http")
-    async def request_id_auth_version(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = rid
-        try:  # auth before the body is even parsed: an unauthenticated client learns nothing
-            path = request.url.path
-            if path.startswith("/admin/"):
-                _check_admin(request, state.config)
-            elif path.startswith(("/v1/", "/tokenize", "/detokenize")):
-                _check_bearer(request, state.config.api_key, "API key")
-            response = await call_next(request)
-        except APIError as e:
-            response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        response.headers["X-Request-Id"] = rid
-        response.headers.setdefault("X-Model-Version", str(state.async_engine.model_version))
-        return response
-
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    cfg = state.config
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -251,12 +267,3 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/admin/experts")
     async def expert_versions(request: Request):
         return {"model_version": state.async_engine.model_version, "versions": state.async_engine.versions}
-
-
-def _check_admin(request: Request, cfg: ServerConfig) -> None:
-    if cfg.admin_key is None:
-        raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
-                       "permission_error", code="admin_disabled")
-    _check_bearer(request, cfg.admin_key, "admin key")
-
-
