@@ -72,6 +72,7 @@ class RepetitionConfig:
     dup_para_char_frac: float = 0.2
     top_ngram_char_frac: list[float] = field(default_factory=lambda: [0.2, 0.18, 0.16])  # n = 2, 3, 4
     dup_ngram_char_frac: list[float] = field(default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10])  # n=5..10
+    ignore_layout_lines: bool = False  # leave letter-free lines (table borders) out of duplicate-line stats
     skip_domains: list[str] = field(default_factory=lambda: ["code"])
 
 
@@ -97,6 +98,7 @@ class FineWebConfig:
     short_line_length: int = 30
     char_dup_ratio: float = 0.01  # max fraction of characters in duplicated lines
     new_line_ratio: float = 0.3  # max newlines per word
+    ignore_layout_lines: bool = False  # leave letter-free lines out of the duplicated-characters ratio
     skip_domains: list[str] = field(default_factory=lambda: ["code"])
 
 
@@ -138,8 +140,8 @@ class QualityConfig:
     positive_sources: list[str] = field(default_factory=list)  # [] = all kept docs are positives
     max_train_docs: int = 4000  # positives sampled (deterministically) for training
     num_buckets: int = 1 << 18  # hashed n-gram feature space
-    epochs: int = 8
-    lr: float = 0.05
+    epochs: int = 10
+    lr: float = 0.5  # Adagrad step size
     weight_decay: float = 1e-5
     max_chars: int = 4000  # featurise the first N characters
     seed: int = 0

@@ -12,11 +12,12 @@ import re
 from collections import Counter
 
 from .config import C4Config, CodeConfig, DataConfig, FineWebConfig, GopherConfig, RepetitionConfig
-from .text import cjk_ratio, is_cjk, words
+from .text import is_cjk, words
 
 STOP_WORDS = {  # Gopher's English stop words, plus the commonest Chinese function characters
     "en": {"the", "be", "to", "of", "and", "that", "have", "with"},
-    "zh": set("的了是在和有不这我们你他也就都而与之其"),
+    # modern and classical function characters (Chinese has no closed list of short stop words)
+    "zh": set("的了是在和有不这我们你他也就都而与之其以可中为个上到地得着要会对从把被于乃者兮矣所"),
 }
 BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "※", "·", "-", "*", "–", "‣")
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "。", "！", "？", "”", "…", ":", "：")
@@ -36,7 +37,7 @@ def gopher_quality(text: str, cfg: GopherConfig) -> str | None:
     if n > cfg.max_words:
         return "gopher:max_words"
     latin = [w for w in ws if not is_cjk(w)]
-    if latin and cjk_ratio(text) < 0.5:  # mean word length is meaningless for Chinese
+    if len(latin) > n / 2:  # mean word length is meaningless for Chinese (1 char = 1 word)
         avg = sum(len(w) for w in latin) / len(latin)
         if not cfg.min_avg_word_length <= avg <= cfg.max_avg_word_length:
             return "gopher:avg_word_length"
@@ -67,12 +68,20 @@ def _dup_stats(items: list[str]) -> tuple[float, float]:
     return dup_n / max(len(items), 1), dup_chars / max(total, 1)
 
 
+def _content_lines(text: str, ignore_layout: bool) -> list[str]:
+    """Non-empty lines; with `ignore_layout`, without letter-free lines (table borders, `-----` rules)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return [ln for ln in lines if any(c.isalpha() for c in ln)] if ignore_layout else lines
+
+
 def _top_ngram_frac(ws: list[str], n: int) -> float:
     """Characters covered by the most frequent n-gram (counted once per occurrence) / all word chars."""
     grams = Counter(tuple(ws[i:i + n]) for i in range(len(ws) - n + 1))
     if not grams:
         return 0.0
     gram, count = grams.most_common(1)[0]
+    if count < 2:  # an n-gram that occurs once is not repetition (matters for short documents)
+        return 0.0
     return sum(len(w) for w in gram) * count / max(sum(len(w) for w in ws), 1)
 
 
@@ -100,7 +109,7 @@ def gopher_repetition(text: str, cfg: RepetitionConfig) -> str | None:
         return "repetition:dup_para_frac"
     if char_frac > cfg.dup_para_char_frac:
         return "repetition:dup_para_char_frac"
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    lines = _content_lines(text, cfg.ignore_layout_lines)
     frac, char_frac = _dup_stats(lines)
     if frac > cfg.dup_line_frac:
         return "repetition:dup_line_frac"
@@ -140,7 +149,7 @@ def c4(text: str, cfg: C4Config) -> tuple[str, str | None]:
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(kept)).strip("\n")
     if not text.strip():
         return text, "c4:no_lines"
-    n_sentences = len(re.findall(r"[.!?。！？]+(?:\s|$)|[。！？]", text))
+    n_sentences = len(re.findall(r"[.!?]+[\"'”’)]*(?:\s|$)|[。！？]", text))
     if n_sentences < cfg.min_sentences:
         return text, "c4:min_sentences"
     return text, None
@@ -154,7 +163,7 @@ def fineweb(text: str, cfg: FineWebConfig) -> str | None:
         return "fineweb:line_punct_ratio"
     if sum(len(ln) <= cfg.short_line_length for ln in lines) / len(lines) > cfg.short_line_thr:
         return "fineweb:short_line_ratio"
-    _, dup_chars = _dup_stats(lines)
+    _, dup_chars = _dup_stats(_content_lines(text, cfg.ignore_layout_lines))
     if dup_chars > cfg.char_dup_ratio:
         return "fineweb:char_dup_ratio"
     if text.count("\n") / max(len(words(text)), 1) > cfg.new_line_ratio:

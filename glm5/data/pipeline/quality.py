@@ -1,10 +1,10 @@
-"""Stage 7, model-based quality score: a hashed n-gram logistic-regression classifier (torch).
+"""Stage 7, model-based quality score: a hashed n-gram logistic-regression classifier (numpy).
 
 Positives are documents that survived the rule filters and dedup (optionally only `positive_sources`,
 like GPT-3's "reference corpus" classifier); negatives are the same documents degraded synthetically
 (word salad, shuffled words, character noise, repeated lines, web boilerplate). Features are word (or
-CJK character) unigrams and bigrams hashed into `num_buckets` slots: an `EmbeddingBag(num_buckets, 1)`
-is exactly a sparse linear model. The trained model is saved as .npz and scores every document with
+CJK character) unigrams and bigrams hashed into `num_buckets` slots, plus a few shape features; the
+model is a sparse logistic regression trained with Adagrad. The trained model is saved as .npz and scores every document with
 P(high quality) in [0, 1]; documents below `threshold` are dropped.
 """
 
@@ -14,7 +14,6 @@ import random
 import zlib
 
 import numpy as np
-import torch
 
 from .config import QualityConfig
 from .text import words
@@ -29,12 +28,25 @@ BOILERPLATE = [
 ]
 
 
-def features(text: str, cfg: QualityConfig) -> np.ndarray:
-    """Hashed unigram + bigram ids [F] int64 of the first `max_chars` characters."""
-    ws = [w.lower() for w in words(text[: cfg.max_chars])]
-    grams = ws + [f"{a} {b}" for a, b in zip(ws, ws[1:])]
-    grams.append(f"__len{min(len(ws).bit_length(), 16)}")  # coarse length bucket
-    return np.array([zlib.crc32(g.encode("utf-8")) % cfg.num_buckets for g in grams], dtype=np.int64)
+def features(text: str, cfg: QualityConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Hashed feature ids [F] int64 and weights [F] float32 of the first `max_chars` characters.
+
+    N-grams (word/CJK-char unigrams + bigrams) share a total weight of 1, so the logit is their mean
+    weight (length-independent); four "shape" features get weight 1 each: they carry what a bag of
+    n-grams cannot see (repetition = low distinct-bigram ratio, symbol noise, line structure, length).
+    """
+    head = text[: cfg.max_chars]
+    ws = [w.lower() for w in words(head)] or [""]
+    bigrams = [f"{a} {b}" for a, b in zip(ws, ws[1:])]
+    grams = ws + bigrams
+    distinct = len(set(bigrams)) / max(len(bigrams), 1)
+    symbols = sum(not (c.isalnum() or c.isspace()) for c in head) / max(len(head), 1)
+    line_len = len(head) / max(head.count("\n") + 1, 1)
+    shape = [f"__distinct{int(distinct * 10)}", f"__symbols{min(int(symbols * 20), 19)}",
+             f"__linelen{min(int(line_len).bit_length(), 12)}", f"__len{min(len(ws).bit_length(), 16)}"]
+    ids = [zlib.crc32(g.encode("utf-8")) % cfg.num_buckets for g in grams + shape]
+    weights = [1.0 / len(grams)] * len(grams) + [1.0] * len(shape)
+    return np.array(ids, dtype=np.int64), np.array(weights, dtype=np.float32)
 
 
 def _join(ws: list[str]) -> str:
@@ -74,8 +86,8 @@ class QualityModel:
         self.bias = float(bias)
 
     def score(self, text: str) -> float:
-        f = features(text, self.cfg)
-        logit = float(self.weight[f].sum()) / np.sqrt(len(f)) + self.bias
+        ids, w = features(text, self.cfg)
+        logit = float(self.weight[ids] @ w) + self.bias
         return float(1.0 / (1.0 + np.exp(-logit)))
 
     def save(self, path) -> None:
@@ -87,44 +99,51 @@ class QualityModel:
         return cls(cfg, z["weight"], float(z["bias"]))
 
 
-def _batch(feats: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EmbeddingBag inputs: flat ids [sum F], offsets [B], per-sample weights 1/sqrt(F)."""
-    lens = [len(f) for f in feats]
-    ids = torch.from_numpy(np.concatenate(feats))
-    offsets = torch.tensor([0] + lens[:-1]).cumsum(0)
-    w = torch.cat([torch.full((n,), 1.0 / np.sqrt(n)) for n in lens])
-    return ids, offsets, w
+def _batch(feats: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat ids [sum F], weights [sum F] and the document index of each entry [sum F]."""
+    ids = np.concatenate([i for i, _ in feats])
+    vals = np.concatenate([w for _, w in feats])
+    doc = np.repeat(np.arange(len(feats)), [len(i) for i, _ in feats])
+    return ids, vals, doc
 
 
 def train(positives: list[str], cfg: QualityConfig) -> tuple[QualityModel, dict]:
-    """Train on positives vs their degradations; returns (model, held-out metrics)."""
-    rng = random.Random(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    """Train on positives vs their degradations (Adagrad on the logistic loss); (model, held-out metrics).
+
+    The gradient of a sparse linear model touches only the active buckets, so a step is two
+    `bincount`s and a dense Adagrad update over `num_buckets` floats (milliseconds).
+    """
+    rng, np_rng = random.Random(cfg.seed), np.random.default_rng(cfg.seed)
     vocab = [w for t in positives[:500] for w in words(t[:2000])] or ["x"]
     texts = positives + [degrade(t, rng, vocab) for t in positives]
-    labels = np.array([1.0] * len(positives) + [0.0] * len(positives), np.float32)
+    labels = np.array([1.0] * len(positives) + [0.0] * len(positives))
     feats = [features(t, cfg) for t in texts]
+    # hold out a fixed 20% of source documents (each with its degraded twin)
     is_test = np.array([zlib.crc32(str(i % len(positives)).encode()) % 5 == 0 for i in range(len(texts))])
-    bag = torch.nn.EmbeddingBag(cfg.num_buckets, 1, mode="sum")
-    torch.nn.init.zeros_(bag.weight)
-    bias = torch.zeros(1, requires_grad=True)
-    opt = torch.optim.Adam([bag.weight, bias], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    weight, bias = np.zeros(cfg.num_buckets), 0.0
+    g2, b2 = np.full(cfg.num_buckets, 1e-8), 1e-8
     train_idx = np.flatnonzero(~is_test)
     for _ in range(cfg.epochs):
-        order = train_idx[torch.randperm(len(train_idx)).numpy()]
-        for s in range(0, len(order), 256):
-            idx = order[s:s + 256]
-            ids, offs, w = _batch([feats[i] for i in idx])
-            logits = bag(ids, offs, per_sample_weights=w).squeeze(1) + bias  # [B]
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels[idx]))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model = QualityModel(cfg, bag.weight.detach().squeeze(1).numpy().copy(), float(bias.item()))
+        order = np_rng.permutation(train_idx)
+        for s in range(0, len(order), 64):
+            idx = order[s:s + 64]
+            ids, vals, doc = _batch([feats[i] for i in idx])
+            logits = np.bincount(doc, weights=weight[ids] * vals, minlength=len(idx)) + bias  # [B]
+            err = 1.0 / (1.0 + np.exp(-logits)) - labels[idx]  # dLoss/dlogit [B]
+            grad = np.bincount(ids, weights=err[doc] * vals, minlength=cfg.num_buckets) / len(idx)
+            grad += cfg.weight_decay * weight
+            g2 += grad**2
+            weight -= cfg.lr * grad / np.sqrt(g2)
+            b2 += err.mean() ** 2
+            bias -= cfg.lr * err.mean() / np.sqrt(b2)
+    model = QualityModel(cfg, weight.astype(np.float32), bias)
     return model, _metrics(model, [texts[i] for i in np.flatnonzero(is_test)], labels[is_test])
 
 
 def _metrics(model: QualityModel, texts: list[str], labels: np.ndarray) -> dict:
+    """Held-out accuracy at 0.5, and at the configured threshold: kept positives, dropped negatives."""
     scores = np.array([model.score(t) for t in texts])
-    acc = float(np.mean((scores >= 0.5) == (labels > 0.5))) if len(texts) else float("nan")
-    return {"heldout_docs": len(texts), "heldout_accuracy": round(acc, 4)}
+    pos, thr = labels > 0.5, model.cfg.threshold
+    return {"heldout_docs": len(texts), "heldout_accuracy": round(float(np.mean((scores >= 0.5) == pos)), 4),
+            "heldout_positive_kept": round(float(np.mean(scores[pos] >= thr)), 4),
+            "heldout_negative_dropped": round(float(np.mean(scores[~pos] < thr)), 4)}
