@@ -49,11 +49,12 @@ def test_special_tokens_fit_the_model_vocab(tok):
 
 
 def test_indentation_tokens(tok):
-    """Seed D4: runs of 4/8/12/16 spaces are single tokens."""
+    """Seed D4: a newline plus 4/8/12/16 spaces (line-start indentation) is a single token."""
     for width in (4, 8, 12, 16):
-        ids = tok.encode("\n" + " " * width + "return")
-        assert tok.token_to_id(" " * width) in ids
-    assert len(tok.encode(" " * 16)) == 1
+        ids = tok.encode("x:\n" + " " * width + "return")
+        assert tok.token_to_id("\n" + " " * width) in ids
+    assert len(tok.encode("\n" + " " * 16)) == 1
+    assert tok.token_to_id("\n" + " " * 4) not in tok.encode("a    b")  # mid-line spaces: plain BPE
 
 
 @pytest.mark.parametrize("skip", [True, False])

@@ -1,8 +1,8 @@
 """`glm5 data tokenizer`: train the byte-level BPE tokenizer (seed D4) and save it as an HF directory.
 
 The BPE is trained with HF `tokenizers` on JSONL(.gz) documents (the bundled corpus or the cleaned
-shards of `glm5 data run`), with GLM-4's pre-tokenizer regex. Code indentation runs (4/8/12/16 spaces)
-become single tokens, and GLM's special tokens take the last ids, as in the real GLM vocabulary, so
+shards of `glm5 data run`), with GLM-4's pre-tokenizer regex. Code indentation (a newline followed by
+4/8/12/16 spaces) becomes single tokens (seed D4), and GLM's special tokens take the last ids, as in the real GLM vocabulary, so
 that everything fits inside `vocab_size`. The default config reproduces the shipped tokenizer:
 `glm5 data tokenizer --config configs/data/tokenizer.toml`.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -41,7 +42,8 @@ class TokenizerTrainConfig:
     min_frequency: int = 2
     """A merge must occur at least this often."""
     indent_widths: list[int] = field(default_factory=lambda: [4, 8, 12, 16])
-    """Seed D4: runs of this many spaces become one token each ([] to disable)."""
+    """Seed D4: a newline + this many spaces becomes one token each ([] to disable). Anchoring on the
+    newline keeps them to line-start indentation, so mid-line space runs stay with the BPE."""
     max_docs: int = 0
     """Train on at most this many documents (0 = all)."""
     model_max_length: int = 131072
@@ -77,6 +79,18 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
     return files
 
 
+def split_on_added(texts, added: list[str]) -> Iterator[str]:
+    """Cut the training texts where the added (indentation) tokens will match at encode time, so
+    that the BPE learns merges for what actually surrounds them (e.g. `return`, not `Ġreturn`, after
+    an indent). Longest-first alternation = the added vocabulary's leftmost-longest matching."""
+    if not added:
+        yield from texts
+        return
+    pattern = re.compile("|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)))
+    for text in texts:
+        yield from (piece for piece in pattern.split(text) if piece)
+
+
 def build_empty_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -89,15 +103,16 @@ def build_empty_tokenizer() -> Tokenizer:
 
 def train_tokenizer(cfg: TokenizerTrainConfig, texts=None) -> GLMTokenizer:
     """Train the BPE on `texts` (default: the config's inputs) and attach the GLM special tokens."""
-    indents = [" " * w for w in sorted(set(cfg.indent_widths), reverse=True)]
+    indents = ["\n" + " " * w for w in sorted(set(cfg.indent_widths), reverse=True)]
     n_bpe = cfg.vocab_size - len(SPECIAL_TOKENS) - len(indents)
     if n_bpe < 256 + 64:
         raise ValueError(f"vocab_size {cfg.vocab_size} leaves only {n_bpe} BPE ids (need > 320)")
     tok = build_empty_tokenizer()
     trainer = trainers.BpeTrainer(vocab_size=n_bpe, min_frequency=cfg.min_frequency, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts if texts is not None else iter_texts(cfg.inputs, cfg.max_docs), trainer)
-    # Indentation tokens are plain added tokens: matched before BPE, decoded verbatim.
+    texts = texts if texts is not None else iter_texts(cfg.inputs, cfg.max_docs)
+    tok.train_from_iterator(split_on_added(texts, indents), trainer)
+    # Indentation tokens are plain added tokens: matched before BPE (leftmost-longest), decoded verbatim.
     tok.add_tokens([AddedToken(s, normalized=False, special=False) for s in indents])
     tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIAL_TOKENS])
     prefix = " ".join(PREFIX_TOKENS)
