@@ -1,0 +1,237 @@
+"""`LLMEngine`: the synchronous engine core. `step()` = scheduler.schedule() -> runner.run() ->
+scheduler.update(); everything else (the server's asyncio pump, `LLM.generate`, sessions) drives it.
+
+Owns: building the model (checkpoint directory or random-init preset; INT8 and expert offload applied
+at load), sizing the KV cache from a memory budget, the tokenizer and per-request detokenizers, fan-out
+of `n > 1` into child requests and the aggregation of their outputs, engine statistics, and expert hot
+swap between steps. Knows no HTTP and no asyncio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from pathlib import Path
+
+import torch
+
+from glm5.model.config import ModelConfig
+from glm5.model.hf_adapter import cast_model, from_pretrained
+from glm5.model.model import GLM5ForCausalLM
+
+from .block_manager import BlockManager, cdiv
+from .config import EngineConfig
+from .experts import apply_expert_updates, expert_stats, parse_expert_updates
+from .kv_cache import available_memory_bytes, bytes_per_token, num_blocks_for_budget
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, fan_out
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "assets" / "tokenizer-8k"
+
+
+def resolve_device(config: EngineConfig) -> EngineConfig:
+    """Fall back to CPU without CUDA; compute in fp32 on CPU (bf16 matmuls are very slow there)."""
+    device = config.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    dtype = "float32" if device == "cpu" else config.dtype
+    return dataclasses.replace(config, device=device, dtype=dtype)
+
+
+def load_model(config: EngineConfig) -> GLM5ForCausalLM:
+    """A checkpoint directory, or a preset name (random init seeded by config.seed)."""
+    dtype = getattr(torch, config.dtype)
+    path = Path(config.model)
+    if path.is_dir():
+        return from_pretrained(path, dtype=dtype, device=config.device)
+    cfg = ModelConfig.load(config.model)
+    torch.manual_seed(config.seed)
+    model = GLM5ForCausalLM(cfg).init_weights(config.seed)
+    return cast_model(model, dtype).to(config.device).eval()
+
+
+def load_tokenizer_for(model_path: str, vocab_size: int):
+    """The checkpoint's tokenizer; for presets, the bundled 8k tokenizer if it fits the vocabulary.
+    None (token ids only) when there is none."""
+    from glm5.data.tokenizer import load_tokenizer  # noqa: PLC0415 (data layer, optional at runtime)
+    path = Path(model_path)
+    candidates = [path] if path.is_dir() else [BUNDLED_TOKENIZER]
+    for c in candidates:
+        try:
+            tok = load_tokenizer(c)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            log.info("no tokenizer at %s (%s): token ids only", c, e)
+            continue
+        if tok.vocab_size <= vocab_size:
+            return tok
+    return None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, model: GLM5ForCausalLM | None = None,
+                 tokenizer=None, **overrides):
+        config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.config = resolve_device(config)
+        if model is None:
+            model = load_model(self.config)
+            tokenizer = tokenizer or load_tokenizer_for(self.config.model, model.config.vocab_size)
+        self.model = self._convert(model.eval())
+        self.model_config: ModelConfig = self.model.config
+        self.tokenizer = tokenizer
+        self.model_version = 0
+        num_blocks = self._num_blocks()
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device,
+                                  cache_dtype=next(self.model.model.embed_tokens.parameters()).dtype)
+        self._groups: dict[str, list[Request]] = {}  # request id -> its (child) requests
+        self._prompts: dict[str, str | None] = {}
+
+    # ---- construction helpers -----------------------------------------------------------------------
+    def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
+        c = self.config
+        if c.max_resident_experts is not None or c.expert_cache_bytes is not None:
+            from .offload import offload_experts  # noqa: PLC0415
+            if not Path(c.model).is_dir():
+                raise ValueError("expert offload memory-maps experts from a checkpoint directory; "
+                                 f"{c.model!r} is not one")
+            offload_experts(model, c.model, c.max_resident_experts, c.expert_cache_bytes)
+        if c.quantization == "int8":
+            from .quant import quantize_model  # noqa: PLC0415
+            quantize_model(model)
+        return model
+
+    def _num_blocks(self) -> int:
+        c, cfg = self.config, self.model.config
+        if c.num_blocks is not None:
+            return c.num_blocks
+        dtype = getattr(torch, c.dtype)
+        with_mtp = c.speculative_num_tokens > 0
+        if c.kv_cache_memory is not None:
+            return num_blocks_for_budget(cfg, c.block_size, c.kv_cache_memory, dtype, with_mtp)
+        # default: every sequence at full length, capped at a quarter of free memory
+        want = c.max_num_seqs * (c.max_model_len + c.speculative_num_tokens) * bytes_per_token(cfg, dtype, with_mtp)
+        budget = min(want, available_memory_bytes() // 4)
+        need = cdiv(c.max_model_len + c.speculative_num_tokens, c.block_size)
+        return max(num_blocks_for_budget(cfg, c.block_size, budget, dtype, with_mtp), need)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None = None, prompt: str | None = None,
+                    prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if params.use_beam_search:
+            raise ValueError("use_beam_search: run beam search through LLM.beam_search (it drives the engine)")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        reqs = fan_out(request_id, list(map(int, prompt_token_ids)), params, eos_token_ids=self.eos_token_ids,
+                       prompt=prompt, cache_salt=cache_salt, device=self.config.device)
+        for r in reqs:
+            r.detokenizer = self._detokenizer(r.params)
+        for i, r in enumerate(reqs):
+            try:
+                self.scheduler.add_request(r)
+            except ValueError:
+                for done in reqs[:i]:
+                    self.scheduler.abort(done.request_id)
+                raise
+        self._groups[request_id] = reqs
+        self._prompts[request_id] = prompt
+        return request_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None:
+            return tuple(self.tokenizer.eos_token_ids)
+        eos = self.model_config.eos_token_id
+        return tuple([eos] if isinstance(eos, int) else (eos or []))
+
+    def _detokenizer(self, params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from glm5.data.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> None:
+        for r in self._groups.pop(request_id, []):
+            self.scheduler.abort(r.request_id)
+        self._prompts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, update the requests; outputs of the requests that changed."""
+        out = self.scheduler.schedule()
+        if out.is_empty():
+            return []
+        result = self.runner.run(out)
+        for s in out.scheduled:
+            entries = result.prompt_logprobs.get(s.request_id)
+            if entries is not None:
+                req = s.request
+                req.prompt_logprobs = entries if s.start == 0 else (req.prompt_logprobs or []) + entries
+        self.scheduler.update(out, result.sampled, result.logprobs, result.draft_token_ids or None)
+        changed = {s.request.parent_id or s.request_id for s in out.scheduled
+                   if s.request_id in result.sampled or s.request.is_finished}
+        outputs = [self._output(gid) for gid in changed if gid in self._groups]
+        for o in outputs:
+            if o.finished:
+                self._groups.pop(o.request_id, None)
+                self._prompts.pop(o.request_id, None)
+        return outputs
+
+    def _output(self, group_id: str) -> RequestOutput:
+        reqs = self._groups[group_id]
+        outs = []
+        for r in reqs:
+            if r.is_finished and r.detokenizer is not None and not getattr(r, "_flushed", False):
+                r.output_text += r.detokenizer.finish()
+                r._flushed = True
+            outs.append(CompletionOutput(
+                r.index, r.text_for_output(), list(r.output_token_ids),
+                r.cumulative_logprob if r.logprobs is not None else None,
+                list(r.logprobs) if r.logprobs is not None else None, r.status.finish_reason, r.stop_reason))
+        first = reqs[0]
+        return RequestOutput(group_id, self._prompts.get(group_id), list(first.prompt_token_ids),
+                             first.prompt_logprobs, outs, all(r.is_finished for r in reqs), first.metrics,
+                             self.model_version)
+
+    # ---- stats and weights --------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        stats = self.scheduler.get_stats()
+        cache = self.runner.cache
+        stats.update(num_kv_blocks=self.block_manager.num_blocks, num_free_kv_blocks=self.block_manager.num_free_blocks,
+                     kv_bytes_per_token=cache.bytes_per_token(),
+                     kv_expanded_bytes_per_token=cache.expanded_bytes_per_token(), model_version=self.model_version)
+        if self.runner.proposer is not None:
+            stats.update(self.runner.proposer.stats())
+        stats.update(expert_stats(self.model))
+        return stats
+
+    def swap_experts(self, updates: dict) -> int:
+        """Replace routed-expert weights between steps. `updates`: HF names
+        (`model.layers.L.mlp.experts.E.gate_proj.weight` -> tensor) or {(L, E): {"gate_proj"|"up_proj"|
+        "down_proj" (or full names): tensor}}. Everything is validated before anything changes; the prefix
+        cache is dropped (its KV came from the old weights) and the model version goes up."""
+        parsed = parse_expert_updates(updates, self.model_config, getattr(torch, self.config.dtype))
+        apply_expert_updates(self.model, parsed)
+        self.block_manager.reset_prefix_cache()
+        self.model_version += 1
+        return self.model_version

@@ -1,0 +1,94 @@
+"""Routed-expert weight access shared by hot swap, INT8 and offload: parse/validate swap updates, write
+one expert into whatever expert module a layer has (fused fp tensors, INT8, offloaded LRU), and
+collect expert-cache statistics. Expert e's weights are gate [I, H], up [I, H], down [H, I].
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from glm5.model.config import ModelConfig
+
+EXPERT_KEY = re.compile(r"(?:model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.)?(gate|up|down)_proj(?:\.weight)?")
+PARTS = ("gate", "up", "down")
+
+
+def parse_expert_updates(updates: dict, cfg: ModelConfig, dtype: torch.dtype) -> dict[tuple[int, int], dict]:
+    """-> {(layer, expert): {"gate"|"up"|"down": tensor}}, all checked (layer is MoE, expert in range,
+    shape, finite). Raises ValueError naming the first bad entry; nothing is applied here."""
+    grouped: dict[tuple[int, int], dict] = {}
+    for key, value in updates.items():
+        if isinstance(key, tuple):
+            layer, expert = map(int, key)
+            if not isinstance(value, dict):
+                raise ValueError(f"update for {key}: expected a dict of projection name -> tensor")
+            items = value.items()
+        else:
+            m = EXPERT_KEY.fullmatch(str(key))
+            if m is None or m[1] is None:
+                raise ValueError(f"{key}: not an expert weight name (model.layers.L.mlp.experts.E.gate_proj.weight)")
+            layer, expert = int(m[1]), int(m[2])
+            items = [(key, value)]
+        for name, t in items:
+            m = EXPERT_KEY.fullmatch(str(name))
+            if m is None:
+                raise ValueError(f"({layer}, {expert}) {name}: expected gate_proj, up_proj or down_proj")
+            grouped.setdefault((layer, expert), {})[m[3]] = t
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    for (layer, expert), parts in grouped.items():
+        if layer not in cfg.moe_layers:
+            raise ValueError(f"layer {layer} is not an MoE layer ({cfg.moe_layers})")
+        if not 0 <= expert < cfg.n_routed_experts:
+            raise ValueError(f"expert {expert} out of range [0, {cfg.n_routed_experts})")
+        for part, t in parts.items():
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shapes[part]:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"layer {layer} expert {expert} {part}_proj: shape {got} != {list(shapes[part])}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"layer {layer} expert {expert} {part}_proj holds NaN or Inf")
+            parts[part] = t.to(dtype)
+    return grouped
+
+
+def experts_module(model, layer: int):
+    return model.model.layers[layer].mlp.experts
+
+
+@torch.no_grad()
+def write_expert(module, e: int, parts: dict[str, torch.Tensor]) -> None:
+    """Write some of expert e's projections into an expert module of any kind."""
+    if hasattr(module, "set_expert"):  # INT8 / offloaded experts know their own storage
+        module.set_expert(e, parts)
+        return
+    inter = module.inter
+    if "gate" in parts:
+        module.gate_up_proj[e, :inter].copy_(parts["gate"])
+    if "up" in parts:
+        module.gate_up_proj[e, inter:].copy_(parts["up"])
+    if "down" in parts:
+        module.down_proj[e].copy_(parts["down"])
+
+
+def apply_expert_updates(model, grouped: dict[tuple[int, int], dict]) -> None:
+    for (layer, expert), parts in grouped.items():
+        write_expert(experts_module(model, layer), expert, parts)
+
+
+def expert_stats(model) -> dict:
+    """Summed hit/miss counters of offloaded expert caches (empty when nothing is offloaded)."""
+    hits = misses = resident = 0
+    found = False
+    for layer in model.model.layers:
+        ex = getattr(getattr(layer, "mlp", None), "experts", None)
+        if ex is not None and hasattr(ex, "cache_stats"):
+            found = True
+            h, m, r = ex.cache_stats()
+            hits, misses, resident = hits + h, misses + m, resident + r
+    if not found:
+        return {}
+    total = hits + misses
+    return {"expert_cache_hits": hits, "expert_cache_misses": misses, "expert_cache_resident": resident,
+            "expert_cache_hit_rate": hits / total if total else 0.0}
