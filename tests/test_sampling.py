@@ -287,3 +287,30 @@ def test_position_logprobs_dict():
     ref = torch.log_softmax(logits[0], -1)
     assert list(d) == [1, 2] and d[1].rank == 1 and d[2].rank == 2
     assert d[2].logprob == pytest.approx(float(ref[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_seeded_rows_do_not_depend_on_the_batch_and_match_greedy():
+    from glm5.infer.request import Request
+    dev = "cuda"
+    logits = torch.randn(6, 151552, device=dev)
+
+    def draws(batch, index):
+        req = Request("r", [1, 2, 3], SamplingParams(temperature=0.8, top_p=0.9, seed=11), device=dev)
+        sampler = Sampler(torch.Generator(device=dev).manual_seed(5))
+        got = []
+        for step in range(4):
+            rows = [row(temperature=1.0) for _ in range(batch)]
+            rows[index] = req.sampling_row()
+            x = logits.roll(step, dims=1)[:batch].clone()
+            x[index] = logits.roll(step, dims=1)[0]
+            got.append(int(sampler(x, rows).token_ids[index]))
+        return got
+
+    assert draws(1, 0) == draws(6, 3)
+    out = Sampler()(logits, [row(temperature=0, logprobs=3) for _ in range(6)])
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert torch.allclose(out.logprobs[:, 0], torch.log_softmax(logits, -1).max(-1).values)
+    target = torch.softmax(logits[:3], -1)
+    assert spec_verify(target, None, target[:2].argmax(-1).tolist(), greedy=True) == target.argmax(-1).tolist()

@@ -145,7 +145,7 @@ class Sampler:
         """logits [N, V] (any float dtype; processed in fp32) -> SamplerOutput."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per SamplingRow"
         raw = logits.float()
-        x = apply_min_tokens(raw.clone(), rows)
+        x = apply_min_tokens(raw, rows)  # copies only when it masks: `raw` stays raw
         x = apply_penalties(x, rows)
         token_ids = self._sample(x, rows)
         out = SamplerOutput(token_ids=token_ids)
@@ -183,10 +183,14 @@ class Sampler:
 
 
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Mask EOS/stop ids (-inf) for rows that have fewer than min_tokens output tokens."""
-    for i, r in enumerate(rows):
-        if r.stop_ids_until_min and len(r.output_token_ids) < r.params.min_tokens:
-            x[i, list(r.stop_ids_until_min)] = float("-inf")
+    """Mask EOS/stop ids (-inf) for rows that have fewer than min_tokens output tokens (on a copy)."""
+    masked = [i for i, r in enumerate(rows)
+              if r.stop_ids_until_min and len(r.output_token_ids) < r.params.min_tokens]
+    if not masked:
+        return x
+    x = x.clone()
+    for i in masked:
+        x[i, list(rows[i].stop_ids_until_min)] = float("-inf")
     return x
 
 
@@ -240,7 +244,7 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 def gather_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int):
     """log_softmax of raw logits -> ([N, 1+K] ids, [N, 1+K] logprobs, [N] rank of token_ids)."""
     logprobs = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
-    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    top_lp, top_ids = logprobs.topk(k, dim=-1)  # [N, K] (K may be 0: sampled token only)
     sampled_lp = logprobs.gather(1, token_ids[:, None])  # [N, 1]
     ranks = (logprobs > sampled_lp).sum(dim=-1) + 1  # [N]
     ids = torch.cat([token_ids[:, None], top_ids], dim=1)
@@ -288,8 +292,11 @@ def spec_verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, dr
             if best != d:
                 return out
             continue
-        q = draft_probs[i] if draft_probs is not None else torch.nn.functional.one_hot(
-            torch.tensor(d), p.shape[0]).to(p.dtype)
+        if draft_probs is not None:
+            q = draft_probs[i]
+        else:  # deterministic draft: q is one-hot at d
+            q = torch.zeros_like(p)
+            q[d] = 1.0
         u = torch.rand((), generator=generator, device=p.device)
         if q[d] > 0 and u * q[d] <= p[d]:
             out.append(int(d))
