@@ -72,7 +72,7 @@ class RepetitionConfig:
     dup_para_char_frac: float = 0.2
     top_ngram_char_frac: list[float] = field(default_factory=lambda: [0.2, 0.18, 0.16])  # n = 2, 3, 4
     dup_ngram_char_frac: list[float] = field(default_factory=lambda: [0.15, 0.14, 0.13, 0.12, 0.11, 0.10])  # n=5..10
-    ignore_layout_lines: bool = False  # leave letter-free lines (table borders) out of duplicate-line stats
+    ignore_layout_lines: bool = False  # leave letter-free lines (table borders) out of all repetition stats
     skip_domains: list[str] = field(default_factory=lambda: ["code"])
 
 

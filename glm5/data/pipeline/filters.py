@@ -103,13 +103,15 @@ def _dup_ngram_frac(ws: list[str], n: int) -> float:
 
 
 def gopher_repetition(text: str, cfg: RepetitionConfig) -> str | None:
+    if cfg.ignore_layout_lines:  # drop letter-free lines (keeping blank ones, which separate paragraphs)
+        text = "\n".join(ln for ln in text.splitlines() if not ln.strip() or any(c.isalpha() for c in ln))
     paras = [p for p in re.split(r"\n{2,}", text.strip()) if p.strip()]
     frac, char_frac = _dup_stats(paras)
     if frac > cfg.dup_para_frac:
         return "repetition:dup_para_frac"
     if char_frac > cfg.dup_para_char_frac:
         return "repetition:dup_para_char_frac"
-    lines = _content_lines(text, cfg.ignore_layout_lines)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     frac, char_frac = _dup_stats(lines)
     if frac > cfg.dup_line_frac:
         return "repetition:dup_line_frac"

@@ -93,13 +93,16 @@ def _call(args):
 
 
 def _parallel(fn, jobs: list[tuple], cfg: DataConfig, desc: str) -> list:
-    """Run `fn(*job)` for every job: in-process for one worker, else a spawn pool (fork is unsafe once
-    torch/OpenMP threads exist in the parent)."""
+    """Run `fn(*job)` for every job: in-process for one worker, else a process pool.
+
+    Fork (where available) skips re-importing numpy/torch in every worker; the workers run no torch or
+    OpenMP code, so threads the parent may hold cannot deadlock them."""
     workers = min(cfg.run.num_workers or os.cpu_count() or 1, len(jobs))
     bar = dict(desc=desc, total=len(jobs), unit="shard", disable=not cfg.run.progress)
     if workers <= 1:
         return [fn(*job) for job in tqdm(jobs, **bar)]
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with multiprocessing.get_context(method).Pool(workers) as pool:
         return list(tqdm(pool.imap_unordered(_call, [(fn, j) for j in jobs]), **bar))
 
 
