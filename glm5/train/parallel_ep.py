@@ -1,0 +1,120 @@
+"""Expert parallelism (EP): each rank of an EP group holds a contiguous slice of every MoE layer's routed
+experts, and tokens travel to the rank that owns their expert and back with `all_to_all_single`.
+
+Owns `EPExperts` (a drop-in for `glm5.model.moe.Experts`: same `forward(x, idx, weights, keep)`, same
+parameter names) and `convert_to_ep(model, ep_mesh)`, which swaps every `MoE.experts` in place. The expert
+weights become DTensors `Shard(0)` on the "ep" mesh dimension, so the distributed checkpoint sees the full
+[E, ...] tensors under the usual names and can reshard them to another world size; forward uses the
+local slice (`to_local`, differentiable). Both all-to-alls go through torch's differentiable
+`all_to_all_single_autograd` (the one torchtitan uses; verified with gloo), so gradients flow back to
+the sending rank's tokens and router weights.
+
+Dims: N tokens, H hidden, A experts per token, E routed experts, L = E / ep local experts, M assignments
+sent by this rank, R rows received by this rank, P = ep ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from glm5.model.moe import Experts, MoE, grouped_swiglu
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Differentiable uneven all-to-all of rows: backward sends the gradients back the same way."""
+    return wait_tensor(all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group))
+
+
+def _exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """counts [E] rows this rank sends to each expert -> [P, L] rows each source rank sends to each of
+    this rank's experts (the sizes of the token all-to-all must be known before it runs)."""
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)  # equal splits: chunk p = rank p's experts
+    return recv
+
+
+class EPExperts(nn.Module):
+    """This rank's L = E / ep routed experts; dispatches tokens to their owners and combines the results.
+
+    `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] are DTensors sharded on dim 0 over the EP mesh
+    (the local tensor is [L, 2I, H] / [L, H, I], experts [rank * L, (rank + 1) * L)).
+    """
+
+    def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
+        super().__init__()
+        self.n_experts, self.inter = experts.n_experts, experts.inter
+        self.ep_mesh = ep_mesh
+        self.ep_size, self.ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        if self.n_experts % self.ep_size:
+            raise ValueError(f"n_routed_experts={self.n_experts} is not divisible by "
+                             f"parallel.expert_parallel={self.ep_size}")
+        self.n_local = self.n_experts // self.ep_size
+        lo, hi = self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name).detach()
+            local = full[lo:hi].clone()  # every rank holds identical full weights: no scatter needed
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(self, name, nn.Parameter(dt, requires_grad=getattr(experts, name).requires_grad))
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], idx/weights [N, A] (keep [N, A] bool) -> routed output [N, H], as `Experts.forward`."""
+        N, A = idx.shape
+        group = self.ep_mesh.get_group()
+        flat = idx.reshape(-1)
+        if keep is not None:
+            flat = torch.where(keep.reshape(-1), flat, self.n_experts)  # dropped -> virtual expert E
+        order = torch.argsort(flat, stable=True)  # [N*A] grouped by expert = by owner rank, then expert
+        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts]  # [E]
+        order = order[: int(counts.sum())]  # [M] live assignments
+        token = order // A  # [M]
+        recv_counts = _exchange_counts(counts, group).view(self.ep_size, self.n_local)  # [P, L]
+        in_splits = counts.view(self.ep_size, self.n_local).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = _a2a(x[token], out_splits, in_splits, group)  # [R, H] ordered by (source rank, expert)
+        ys = self._compute(recv, recv_counts)  # [R, H], same order
+        back = _a2a(ys, in_splits, out_splits, group)  # [M, H] in this rank's send order
+        back = back * weights.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+
+    def _compute(self, recv: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Run the received rows [R, H] through their local experts; recv_counts [P, L]."""
+        gate_up, down = self._local(self.gate_up_proj), self._local(self.down_proj)
+        if recv.shape[0] == 0:
+            # Nothing to do, but the weights must still get a (zero) gradient: FSDP reduce-scatters
+            # expert grads over the dp group and every rank has to take part.
+            g, u = F.linear(recv, gate_up[0]).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, down[0])
+        local_e = torch.arange(self.n_local, device=recv.device).repeat(self.ep_size)  # [P*L]
+        row_expert = torch.repeat_interleave(local_e, recv_counts.reshape(-1))  # [R]
+        perm = torch.argsort(row_expert, stable=True)  # rows grouped by local expert
+        ys = grouped_swiglu(recv[perm], gate_up, down, recv_counts.sum(0))
+        return torch.empty_like(ys).index_copy_(0, perm, ys)  # back to (source rank, expert) order
+
+
+def convert_to_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[EPExperts]:
+    """Replace every `MoE.experts` of `model` by an `EPExperts` over `ep_mesh`; returns the new modules.
+
+    The model must hold the same full weights on every rank (same seed or same checkpoint).
+    """
+    converted = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        if module.cfg.moe_type == "soft":
+            raise ValueError(f"{name}: expert parallelism needs top-k routing; moe_type='soft' sends every "
+                             "token to every expert (use parallel.expert_parallel = 1)")
+        if isinstance(module.experts, EPExperts):
+            continue
+        module.experts = EPExperts(module.experts, ep_mesh)
+        converted.append(module.experts)
+    return converted

@@ -1,0 +1,217 @@
+"""Distributed training on 2 CPU processes (gloo) against single-process references computed here.
+
+One spawn of 2 workers (module fixture) runs every distributed scenario and writes its results to a
+temp dir; the tests compare them with the same computation done in this process:
+- expert parallel: one MoE layer split over 2 ranks gives the single-process outputs and gradients;
+- FSDP2 (dp=2) and FSDP2 + EP=2: 3 AdamW steps (global-norm clipping included) on the same global
+  batch and the same init give the single-process losses and final weights;
+- distributed checkpoint: written by the EP run at world size 2, loaded here at world size 1 (model and
+  optimizer); written here at world size 1, loaded by the EP workers; HF export from the sharded model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from glm5.model.hf_adapter import from_pretrained
+from glm5.model.moe import MoE
+from tests._tiny import tiny_config
+
+WORLD, STEPS, B, T, LR = 2, 3, 4, 16, 1e-2
+CFG = dict(num_hidden_layers=2)  # layer 0 dense, layer 1 MoE (8 experts, top-2)
+
+
+# --- shared by workers and references -----------------------------------------------------------------
+def make_model():
+    from glm5.model.model import GLM5ForCausalLM
+    torch.manual_seed(0)
+    return GLM5ForCausalLM(tiny_config(**CFG)).init_weights(seed=0).train()
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 512, (B, T + 1), generator=g) for _ in range(STEPS)]
+
+
+def loss_fn(model, ids):
+    logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def ref_clip(params, max_norm):
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def train(model, batches, clip_fn=ref_clip, start_optimizer=None):
+    """3 AdamW steps with global-norm clipping at 0.5; returns per-step losses and the optimizer."""
+    opt = start_optimizer or torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for ids in batches:
+        loss = loss_fn(model, ids)
+        loss.backward()
+        clip_fn([p for p in model.parameters() if p.grad is not None], 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, opt
+
+
+def moe_inputs(cfg):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(WORLD * 12, cfg.hidden_size, generator=g)
+    up = torch.randn(WORLD * 12, cfg.hidden_size, generator=g)  # upstream gradient
+    return x, up
+
+
+def make_moe(cfg):
+    torch.manual_seed(3)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+        moe.gate.e_score_correction_bias.normal_(0, 0.05)  # unequal loads, some experts empty per rank
+    return moe
+
+
+# --- worker -------------------------------------------------------------------------------------------
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from glm5.core.dist import init_from_env
+    init_from_env("gloo")
+    try:
+        _scenarios(rank, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenarios(rank: int, out: Path) -> None:
+    from glm5.train import parallel, parallel_ckpt, parallel_ep
+    from safetensors.torch import save_file
+    res: dict = {}
+    # 1. one MoE layer under EP=2: each rank routes its own half of the tokens
+    cfg = tiny_config(**CFG)
+    moe = make_moe(cfg)
+    x, up = moe_inputs(cfg)
+    xs, ups = x.chunk(WORLD)[rank].clone().requires_grad_(), up.chunk(WORLD)[rank]
+    parallel_ep.convert_to_ep(moe, parallel.build_mesh(WORLD)["ep"])
+    y, _ = moe(xs)
+    (y * ups).sum().backward()
+    save_file({"y": y.detach(), "x_grad": xs.grad, "router_grad": moe.gate.weight.grad,
+               "gate_up_grad": moe.experts.gate_up_proj.grad.to_local().contiguous(),
+               "down_grad": moe.experts.down_proj.grad.to_local().contiguous()}, str(out / f"moe_{rank}.st"))
+    # 2. FSDP2 (dp=2) and FSDP2 + EP=2 (dp=1): 3 steps on this rank's half of each global batch
+    batches = [b.chunk(WORLD)[rank] for b in global_batches()]
+    for name, ep in (("fsdp", 1), ("ep", WORLD)):
+        model = parallel.apply_parallel(make_model(), ep=ep)
+        losses, opt = train(model, batches, parallel.clip_grad_norm_)
+        res[name] = [parallel.mean_over_ranks(v) for v in losses]
+    # 3. checkpoints of the EP run: DCP (model + optimizer) and the HF export
+    parallel_ckpt.save_dcp(out / "dcp_ws2", model, opt)
+    parallel_ckpt.export_hf(model, out / "hf_ws2")
+    # 4. load the world-size-1 checkpoint written by the test into a fresh EP model, export it
+    model = parallel.apply_parallel(make_model(), ep=WORLD)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    parallel_ckpt.load_dcp(out / "dcp_ws1", model, opt)
+    parallel_ckpt.export_hf(model, out / "hf_from_ws1")
+    res["resumed"], _ = train(model, batches[:1], parallel.clip_grad_norm_, start_optimizer=opt)
+    res["resumed"] = [parallel.mean_over_ranks(v) for v in res["resumed"]]
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(res))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- single-process references ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Write the world-size-1 checkpoint the workers load, spawn them, return (out_dir, results)."""
+    from glm5.train.parallel_ckpt import save_dcp
+    out = tmp_path_factory.mktemp("dist")
+    model = make_model()
+    _, opt = train(model, global_batches()[-1:])
+    save_dcp(out / "dcp_ws1", model, opt)
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process run on the global batches: (model, optimizer, losses)."""
+    model = make_model()
+    losses, opt = train(model, global_batches())
+    return model, opt, losses
+
+
+def test_ep_moe_layer_matches_single_process(run):
+    from safetensors.torch import load_file
+    out, _ = run
+    cfg = tiny_config(**CFG)
+    moe = make_moe(cfg)
+    x, up = moe_inputs(cfg)
+    x = x.clone().requires_grad_()
+    y, _ = moe(x)
+    (y * up).sum().backward()
+    parts = [load_file(str(out / f"moe_{r}.st")) for r in range(WORLD)]
+    torch.testing.assert_close(torch.cat([p["y"] for p in parts]), y.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([p["x_grad"] for p in parts]), x.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sum(p["router_grad"] for p in parts), moe.gate.weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([p["gate_up_grad"] for p in parts]), moe.experts.gate_up_proj.grad,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([p["down_grad"] for p in parts]), moe.experts.down_proj.grad,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_fsdp_and_ep_losses_match_single_process(run, reference):
+    _, res = run
+    _, _, ref = reference
+    assert len(res["fsdp"]) == len(res["ep"]) == STEPS
+    assert ref[-1] < ref[0]  # the steps really train
+    for name in ("fsdp", "ep"):
+        assert max(abs(a - b) for a, b in zip(res[name], ref)) < 1e-5, (name, res[name], ref)
+
+
+def test_dcp_saved_at_world_2_loads_at_world_1(run, reference):
+    out, _ = run
+    from glm5.train.parallel_ckpt import load_dcp
+    ref_model, ref_opt, _ = reference
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    load_dcp(out / "dcp_ws2", model, opt)
+    hf = from_pretrained(out / "hf_ws2", dtype=torch.float32)
+    sd, ref_sd, hf_sd = model.state_dict(), ref_model.state_dict(), hf.state_dict()
+    assert set(sd) == set(hf_sd)
+    for k in sd:
+        torch.testing.assert_close(sd[k], hf_sd[k], atol=0, rtol=0)  # DCP and HF export agree exactly
+        torch.testing.assert_close(sd[k], ref_sd[k], atol=1e-5, rtol=1e-4)  # and match the 1-process run
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    p, ref_p = dict(model.named_parameters())[name], dict(ref_model.named_parameters())[name]
+    for key in ("exp_avg", "exp_avg_sq", "step"):  # the optimizer state came back too
+        torch.testing.assert_close(opt.state[p][key], ref_opt.state[ref_p][key], atol=1e-6, rtol=1e-4)
+
+
+def test_dcp_saved_at_world_1_loads_at_world_2(run):
+    out, res = run
+    from glm5.train.parallel_ckpt import load_dcp
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    load_dcp(out / "dcp_ws1", model, opt)
+    hf = from_pretrained(out / "hf_from_ws1", dtype=torch.float32).state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(hf[k], v, atol=0, rtol=0)
+    ref, _ = train(model, global_batches()[:1], start_optimizer=opt)
+    assert abs(res["resumed"][0] - ref[0]) < 1e-5  # the resumed optimizer state behaves identically
