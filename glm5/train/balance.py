@@ -9,11 +9,15 @@ that. Letters: B batch, T sequence, N tokens, E routed experts, A active experts
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from glm5.core import dist as gdist
+
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
 def z_loss(router_stats: list[dict]) -> torch.Tensor:
@@ -60,68 +64,78 @@ def balance_losses(router_stats: list[dict], batch_size: int, seq_coef: float, b
     return out
 
 
-def find_gates(model: nn.Module) -> list[nn.Module]:
-    """The MoE gate modules (those owning an `e_score_correction_bias` buffer), in layer order."""
-    return [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+def find_gates(model: nn.Module) -> dict[int, nn.Module]:
+    """The MoE gate modules (owning an `e_score_correction_bias` buffer) by layer index: the `<i>` of
+    a `layers.<i>.` module path, else their order."""
+    gates = {}
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor):
+            match = _LAYER_RE.search(name)
+            gates[int(match.group(1)) if match else len(gates)] = m
+    return gates
 
 
 class LoadTracker:
-    """Sums `tokens_per_expert` per MoE layer over the micro-batches of one optimizer step."""
+    """Sums `tokens_per_expert` per MoE layer over the micro-batches of one optimizer step.
+
+    Layers are keyed by the stats' `layer` index (else their position), so micro-batches that run
+    different layer sets (the MTP layer runs only on causal-LM batches) add up correctly."""
 
     def __init__(self):
-        self.loads: list[torch.Tensor] = []
+        self.loads: dict[int, torch.Tensor] = {}
 
     def add(self, router_stats: list[dict]) -> None:
-        counts = [s["tokens_per_expert"].detach().float() for s in router_stats]
-        if not self.loads:
-            self.loads = [c.clone() for c in counts]
-            return
-        if len(counts) != len(self.loads):
-            raise ValueError(f"router_stats has {len(counts)} layers, expected {len(self.loads)}")
-        for acc, c in zip(self.loads, counts):
-            acc += c
+        for i, s in enumerate(router_stats):
+            layer = int(s.get("layer", i))
+            count = s["tokens_per_expert"].detach().float()
+            if layer in self.loads:
+                self.loads[layer] += count
+            else:
+                self.loads[layer] = count.clone()
 
-    def reduce(self) -> list[torch.Tensor]:
-        """The step's loads, summed over data-parallel ranks (all ranks must call this)."""
+    def reduce(self) -> dict[int, torch.Tensor]:
+        """The step's loads, summed over data-parallel ranks (all ranks must call this and must
+        have run the same layers)."""
         if self.loads and gdist.is_dist():
-            flat = torch.stack(self.loads)  # [L, E]
+            keys = sorted(self.loads)
+            flat = torch.stack([self.loads[k] for k in keys])  # [L, E]
             dist.all_reduce(flat)
-            self.loads = list(flat.unbind(0))
+            self.loads = dict(zip(keys, flat.unbind(0)))
         return self.loads
 
     def reset(self) -> None:
-        self.loads = []
+        self.loads = {}
 
 
 @torch.no_grad()
-def update_expert_bias(gates: list[nn.Module], loads: list[torch.Tensor], rate: float) -> None:
+def update_expert_bias(gates: dict[int, nn.Module], loads: dict[int, torch.Tensor], rate: float) -> None:
     """Aux-loss-free balancing (DeepSeek-V3): b_i += rate * sign(mean_load - load_i) per layer.
 
     Underloaded experts get a larger selection bias, overloaded ones a smaller one. `loads` must be
-    the same for every rank (see `LoadTracker.reduce`). The MTP layer's gate is last in module order
-    and has no stats when MTP is off, so loads map onto the first `len(loads)` gates.
+    the same on every rank (see `LoadTracker.reduce`).
     """
-    if rate == 0 or not loads:
+    if rate == 0:
         return
-    if len(loads) > len(gates):
-        raise ValueError(f"{len(loads)} MoE layers reported loads but the model has {len(gates)} gates")
-    for gate, load in zip(gates, loads):
-        bias = gate.e_score_correction_bias
+    for layer, load in loads.items():
+        if layer not in gates:
+            raise ValueError(f"MoE layer {layer} reported loads but the model has no gate there "
+                             f"(gates at {sorted(gates)})")
+        bias = gates[layer].e_score_correction_bias
         delta = torch.sign(load.mean() - load).to(device=bias.device, dtype=bias.dtype)
         bias.add_(delta, alpha=rate)
 
 
-def load_metrics(loads: list[torch.Tensor]) -> dict:
+def load_metrics(loads: dict[int, torch.Tensor]) -> dict:
     """Per-layer expert-load summary for the metrics log: max/mean ("imbalance", 1 = perfect), the
     fraction of experts that got no token, and each layer's load vector as fractions (for plots)."""
     if not loads:
         return {}
     imbalance, dead, fractions = [], [], []
-    for load in loads:
+    for _, load in sorted(loads.items()):
         total = float(load.sum())
         mean = total / load.numel() if load.numel() else 0.0
         imbalance.append(float(load.max()) / mean if mean > 0 else 0.0)
         dead.append(float((load == 0).float().mean()))
         fractions.append([round(float(x) / total, 5) if total else 0.0 for x in load])
-    return {"moe_imbalance": max(imbalance), "moe_imbalance_per_layer": [round(x, 4) for x in imbalance],
+    return {"moe_layers": sorted(loads), "moe_imbalance": max(imbalance), "moe_imbalance_per_layer": [round(x, 4) for x in imbalance],
             "moe_dead_frac_per_layer": dead, "expert_load": fractions}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
+import os
 import random
 import time
 from pathlib import Path
@@ -50,6 +50,17 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GLM5ForCausalLM:
     return model.to(device).train()
 
 
+def set_threads(n: int) -> int:
+    """Apply `train.num_threads` (see its doc) on CPU; returns the thread count in use."""
+    if n <= 0 and not torch.cuda.is_available():
+        cores = os.cpu_count() or 1
+        busy = hasattr(os, "getloadavg") and os.getloadavg()[0] >= cores
+        n = 1 if busy else 0
+    if n > 0:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -62,6 +73,7 @@ class Trainer:
         self.cfg = cfg
         dist.init_from_env(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
         seed_everything(cfg.train.seed)
+        self.num_threads = set_threads(cfg.train.num_threads)
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
         self.model = model if model is not None else build_model(cfg, self.device)
         self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
@@ -83,7 +95,8 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.autocast_dtype = self._autocast_dtype()
-        self.active_params = perf.active_params(self.raw_model, include_mtp=cfg.train.mtp_weight > 0)
+        self.uses_mtp = cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
+        self.active_params = perf.active_params(self.raw_model, include_mtp=self.uses_mtp)
         self.peak_flops = 0.0
         self.history: list[dict] = []
         resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
@@ -148,7 +161,8 @@ class Trainer:
         lr = self._set_lr()
         micro = self._fetch()
         n_tok = sum(int((b["labels"] != IGNORE).sum()) for _, b in micro)
-        n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm")
+        n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm") \
+            if self.uses_mtp else 0
         sums = {"lm": 0.0, "mtp": 0.0}
         balance: dict[str, float] = {}
         self.tracker.reset()
@@ -157,10 +171,10 @@ class Trainer:
                 res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance)
                 loss = micro_loss(res, n_tok, n_mtp, cfg.train.mtp_weight, len(micro))
             loss.backward()
-            sums["lm"] += float(res.lm_sum)
-            sums["mtp"] += float(res.mtp_sum) if res.mtp_sum is not None else 0.0
+            sums["lm"] += float(res.lm_sum.detach())
+            sums["mtp"] += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
             for k, v in res.balance.items():
-                balance[k] = balance.get(k, 0.0) + float(v) / len(micro)
+                balance[k] = balance.get(k, 0.0) + float(v.detach()) / len(micro)
             self.tracker.add(res.router_stats)
             labels = batch["labels"][batch["labels"] != IGNORE]
             self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
@@ -214,13 +228,18 @@ class Trainer:
         cfg = self.cfg
         writer = MetricsWriter(self.run_dir / "metrics.jsonl") if dist.is_main() else None
         if writer is not None and self.step == 0:
-            writer.write(0, event="config", config=to_dict(cfg), active_params=self.active_params)
+            writer.write(0, event="config", config=to_dict(cfg), active_params=self.active_params,
+                         num_threads=self.num_threads, device=str(self.device))
         if cfg.log.measure_peak:
             self.peak_flops = perf.measure_matmul_peak(self.device, self.autocast_dtype or torch.float32)
         bar = _progress(cfg.log.progress and dist.is_main(), self.step, cfg.train.steps)
         last_saved, summary = self.step, {}
+        deadline = time.monotonic() + 60 * cfg.train.time_limit_min if cfg.train.time_limit_min else None
         try:
             while self.step < cfg.train.steps:
+                if deadline is not None and time.monotonic() > deadline:
+                    dist.print0(f"train.time_limit_min={cfg.train.time_limit_min} reached at step {self.step}")
+                    break
                 t0 = time.perf_counter()
                 m = self.train_step()
                 dt = time.perf_counter() - t0
