@@ -11,6 +11,7 @@ Knows nothing about blocks or scheduling. Legend: N rows, V vocabulary, K top lo
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -203,20 +204,29 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if all(v == 1.0 for v in rep) and not any(freq) and not any(pres):
         return x
     n, v = x.shape
-    counts = torch.zeros(n, v, device=x.device)  # [N, V] output-token counts
-    seen_in_prompt = torch.zeros(n, v, dtype=torch.bool, device=x.device)  # [N, V]
-    for i, r in enumerate(rows):
-        if r.output_token_ids:
-            ids = torch.tensor(r.output_token_ids, device=x.device)
-            counts[i].index_add_(0, ids, torch.ones(len(ids), device=x.device))
-        if r.params.repetition_penalty != 1.0 and r.prompt_token_ids:
-            seen_in_prompt[i, torch.tensor(r.prompt_token_ids, device=x.device)] = True
+    counts = _scatter_counts([r.output_token_ids for r in rows], n, v, x.device)  # [N, V]
+    prompt_ids = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in rows]
+    seen_in_prompt = _scatter_counts(prompt_ids, n, v, x.device) > 0  # [N, V]
     rep_t = torch.tensor(rep, device=x.device)[:, None]
     seen = seen_in_prompt | (counts > 0)
     penalised = torch.where(x > 0, x / rep_t, x * rep_t)
     x = torch.where(seen, penalised, x)
     x = x - torch.tensor(freq, device=x.device)[:, None] * counts
     return x - torch.tensor(pres, device=x.device)[:, None] * (counts > 0).float()
+
+
+def _scatter_counts(id_lists, n: int, v: int, device) -> torch.Tensor:
+    """Per-row token counts [N, V] from N id lists, with one host-to-device copy (no per-row tensors)."""
+    flat = array("q")
+    for ids in id_lists:
+        flat.extend(ids)  # C-speed list -> int64 buffer
+    counts = torch.zeros(n * v, device=device)
+    if len(flat):
+        lens = torch.tensor([len(ids) for ids in id_lists])
+        rows = torch.repeat_interleave(torch.arange(n), lens)  # [M] row of each id
+        idx = (rows * v + torch.frombuffer(flat, dtype=torch.int64)).to(device)
+        counts.index_add_(0, idx, torch.ones(len(flat), device=device))
+    return counts.view(n, v)  # [N, V]
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
