@@ -143,12 +143,12 @@ class Server:
         self.log.close()
 
 
-def bench_server(url, args, levels, request_rate=None) -> list[dict]:
+def bench_server(url, args, levels, request_rate=None, num_prompts=0) -> list[dict]:
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     asyncio.run(run_level(url, model, 2, 2, args.input_len, 4, args.vocab, 120))  # warm-up (compile, caches)
     rows = []
     for c in levels:
-        n = args.num_prompts or max(4 * c, 8)
+        n = num_prompts or args.num_prompts or max(4 * c, 8)
         row = asyncio.run(run_level(url, model, c, n, args.input_len, args.output_len, args.vocab,
                                     args.duration_s, request_rate))
         print(json.dumps({k: row[k] for k in ("concurrency", "completed", "failed", "output_throughput")}),
@@ -158,11 +158,11 @@ def bench_server(url, args, levels, request_rate=None) -> list[dict]:
 
 
 def table(rows: list[dict], label: str = "") -> str:
-    head = "| run | conc | done/fail | req/s | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2EL p50/p99 ms |"
-    lines = [head, "|" + "---|" * 9]
+    head = "| run | rate/s | conc | done/fail | req/s | out tok/s | TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | E2EL p50/p99 ms |"
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         f = lambda k: f"{r[k]['p50']:.1f} / {r[k]['p99']:.1f}"
-        lines.append(f"| {r.get('label', label)} | {r['concurrency']} | {r['completed']}/{r['failed']} | "
+        lines.append(f"| {r.get('label', label)} | {r.get('request_rate') or 'inf'} | {r['concurrency']} | {r['completed']}/{r['failed']} | "
                      f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {f('ttft_ms')} | "
                      f"{f('tpot_ms')} | {f('itl_ms')} | {f('e2el_ms')} |")
     return "\n".join(lines)
@@ -180,7 +180,9 @@ def main() -> int:
     p.add_argument("--duration-s", type=float, default=60.0, help="per level: no new request after this")
     p.add_argument("--knobs", default="", help="';'-separated engine override sets for the batching run")
     p.add_argument("--knob-concurrency", type=int, default=16)
-    p.add_argument("--request-rate", type=float, default=8.0, help="Poisson arrivals/s for the knob runs")
+    p.add_argument("--knob-num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, nargs="+", default=[8.0],
+                   help="Poisson arrivals/s for the knob runs, 0 = all at once (each knob set runs at each rate)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--out", default="bench_serve.json")
     args, engine_opts = p.parse_known_args()
@@ -204,9 +206,10 @@ def main() -> int:
         s = Server(args.model, opts, args.out + ".knob.log")
         try:
             s.wait(args.startup_timeout_s)
-            row = bench_server(s.url, args, [args.knob_concurrency], args.request_rate)[0]
-            row["label"] = knob
-            result["knobs"].append(row)
+            for rate in args.request_rate:
+                row = bench_server(s.url, args, [args.knob_concurrency], rate, args.knob_num_prompts)[0]
+                row["label"], row["request_rate"] = knob, rate
+                result["knobs"].append(row)
         finally:
             s.stop()
     print(table(result["levels"], "levels"))
@@ -214,7 +217,7 @@ def main() -> int:
         print(f"\noutput throughput at concurrency {max(by_c)} / concurrency 1 = "
               f"{result['throughput_ratio_max_vs_1']:.2f}x")
     if result["knobs"]:
-        print("\ndynamic batching knobs (Poisson arrivals at %.1f req/s):\n" % args.request_rate + table(result["knobs"]))
+        print("\ndynamic batching knobs (Poisson arrivals):\n" + table(result["knobs"]))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0

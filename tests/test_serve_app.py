@@ -18,7 +18,10 @@ from safetensors.torch import save
 from glm5.data.tokenizer import IncrementalDetokenizer, load_tokenizer
 from glm5.infer.config import EngineConfig
 from glm5.infer.outputs import CompletionOutput, Logprob, RequestOutput
+from glm5.infer.sampling import SamplingParams
 from glm5.serve.app import create_app
+from glm5.serve.async_engine import AsyncEngine, EngineDead
+from glm5.serve.metrics import ServerMetrics
 from glm5.serve.config import ServerConfig
 from glm5.serve.testing import serve_in_thread
 from tests._tiny import tiny_config
@@ -255,6 +258,29 @@ def test_nonstream_disconnect_aborts(server):
     while not engine.aborted and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(engine.aborted) == 1 and not engine.reqs
+
+
+def test_graceful_shutdown_drains_then_aborts():
+    """Shutdown lets short requests finish, aborts what outlives the drain timeout, refuses new ones."""
+    engine = FakeEngine(step_sleep=0.05)
+    ae = AsyncEngine(engine, ServerMetrics("x"))
+
+    async def collect(rid, max_tokens):
+        try:
+            return [o async for o in ae.generate(rid, [1, 2], SamplingParams(max_tokens=max_tokens))][-1]
+        except EngineDead as e:
+            return e
+
+    async def go():
+        ae.start()
+        tasks = [asyncio.create_task(collect("short", 3)), asyncio.create_task(collect("long", 500))]
+        await asyncio.sleep(0.05)
+        await ae.shutdown(timeout_s=0.5)
+        assert isinstance(await collect("late", 1), EngineDead)
+        return await asyncio.gather(*tasks)
+    short, long = asyncio.run(asyncio.wait_for(go(), 30))
+    assert short.finished and short.outputs[0].finish_reason == "length"
+    assert isinstance(long, EngineDead) and engine.aborted == ["long"]
 
 
 def _expert_file(**override) -> bytes:

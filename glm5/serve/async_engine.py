@@ -68,6 +68,7 @@ class AsyncEngine:
         self._num_submitted = 0  # submitted but not yet moved to the backlog (guarded by the GIL)
         self._stats: dict = {}
         self._stopping = False
+        self._stop_timeout = 0.0
         self._dead: BaseException | None = None
         self.versions: list[dict] = [{"version": self.model_version, "time": time.time(), "experts": []}]
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)

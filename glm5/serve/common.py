@@ -50,7 +50,7 @@ class ServerState:
 def max_tokens_for(state: ServerState, req: SamplingFields, prompt_len: int, requested: int | None) -> int:
     """vLLM's context check: the prompt must leave room; default max_tokens fills what is left."""
     room = state.max_model_len - prompt_len
-    if room < 1 and not (requested == 0):
+    if room < 1:
         raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. "
                             f"However, your prompt has {prompt_len} tokens.", param="prompt",
                        code="context_length_exceeded")
