@@ -314,3 +314,10 @@ def test_cuda_seeded_rows_do_not_depend_on_the_batch_and_match_greedy():
     assert torch.allclose(out.logprobs[:, 0], torch.log_softmax(logits, -1).max(-1).values)
     target = torch.softmax(logits[:3], -1)
     assert spec_verify(target, None, target[:2].argmax(-1).tolist(), greedy=True) == target.argmax(-1).tolist()
+
+
+def test_sampler_probs_are_the_sampling_distribution():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]]))
+    p = Sampler().probs(logits, [row(top_k=2), row(temperature=0)])
+    assert torch.allclose(p[0], torch.tensor([0.4, 0.3, 0, 0]) / 0.7)
+    assert p[1].tolist() == [0, 0, 0, 1]

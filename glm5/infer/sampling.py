@@ -146,9 +146,11 @@ class Sampler:
         """logits [N, V] (any float dtype; processed in fp32) -> SamplerOutput."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per SamplingRow"
         raw = logits.float()
-        x = apply_min_tokens(raw, rows)  # copies only when it masks: `raw` stays raw
-        x = apply_penalties(x, rows)
-        token_ids = self._sample(x, rows)
+        x, greedy = self._adjust(raw, rows)
+        token_ids = x.argmax(dim=-1)  # [N]
+        if not bool(greedy.all()):
+            sampled = self._draw(self._truncated_probs(x, rows), rows)
+            token_ids = torch.where(greedy, token_ids, sampled)
         out = SamplerOutput(token_ids=token_ids)
         num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if num_logprobs:
@@ -156,31 +158,46 @@ class Sampler:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(raw, token_ids, k)
         return out
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        n = x.shape[0]
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution [N, V] each row is sampled from (one-hot at the argmax for greedy rows);
+        the target probabilities for `spec_verify`."""
+        x, greedy = self._adjust(logits.float(), rows)
+        probs = self._truncated_probs(x, rows)
+        one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+        return torch.where(greedy[:, None], one_hot, probs)
+
+    @staticmethod
+    def _adjust(raw: torch.Tensor, rows: list[SamplingRow]):
+        """min_tokens masking, penalties, then temperature; returns (logits [N, V], greedy mask [N])."""
+        x = apply_min_tokens(raw, rows)  # copies only when it masks: `raw` stays raw
+        x = apply_penalties(x, rows)
         temps = [r.params.temperature_at(len(r.output_token_ids)) for r in rows]
         greedy = torch.tensor([t == 0 for t in temps], device=x.device)
-        token_ids = x.argmax(dim=-1)  # [N]
         if bool(greedy.all()):
-            return token_ids
+            return x, greedy
         temp = torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)
-        x = x / temp[:, None]
+        return x / temp[:, None], greedy  # argmax is unchanged by a positive temperature
+
+    @staticmethod
+    def _truncated_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """min-p, top-k, top-p, softmax -> [N, V]."""
         x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=x.device))
         top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else x.shape[1] for r in rows],
                              device=x.device)
         top_p = torch.tensor([r.params.top_p for r in rows], device=x.device)
-        probs = torch.softmax(apply_top_k_top_p(x, top_k, top_p), dim=-1)  # [N, V]
+        return torch.softmax(apply_top_k_top_p(x, top_k, top_p), dim=-1)  # [N, V]
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         # Exponential race: argmax(p / q), q ~ Exp(1), is a draw from p; each row's q comes from the
         # row's own generator, so a seeded row's draw does not depend on the other rows.
         q = torch.empty_like(probs)
-        unseeded = [i for i in range(n) if rows[i].generator is None]
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
         if unseeded:
             q[unseeded] = torch.empty_like(probs[unseeded]).exponential_(generator=self.generator)
-        for i in range(n):
-            if rows[i].generator is not None:
-                q[i].exponential_(generator=rows[i].generator)
-        sampled = (probs / q).argmax(dim=-1)  # [N]
-        return torch.where(greedy, token_ids, sampled)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                q[i].exponential_(generator=r.generator)
+        return (probs / q).argmax(dim=-1)  # [N]
 
 
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
