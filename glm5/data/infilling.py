@@ -97,15 +97,17 @@ def sample_mask_spans(n: int, rng: np.random.Generator, cfg: InfillConfig) -> li
     target = max(1, int(np.ceil(cfg.mask_ratio * n)))
     probs = poisson_span_lengths(cfg)
     lengths: list[int] = []
-    while sum(lengths) < target:
-        room = n - sum(lengths) - len(lengths) - 1  # one kept token between spans, one more overall
-        if room < 1:
+    total = 0
+    for length in rng.choice(len(probs), size=target, p=probs) + 1:  # never more than `target` spans
+        room = n - total - len(lengths) - 1  # one kept token between spans, one more overall
+        if total >= target or room < 1:
             break
-        lengths.append(int(min(rng.choice(len(probs), p=probs) + 1, room)))
+        lengths.append(int(min(length, room)))
+        total += lengths[-1]
     rng.shuffle(lengths)
     # GLM's placement: choose k gap sizes uniformly by sorting k draws in [0, free], then lay out
     # span, gap of >= 1, span, ... from left to right.
-    free = n - sum(lengths) - (len(lengths) - 1)
+    free = n - total - (len(lengths) - 1)
     places = np.sort(rng.integers(0, free, size=len(lengths), endpoint=True))
     spans, offset = [], 0
     for place, length in zip(places, lengths):
@@ -155,11 +157,12 @@ def build_sample(tokens: np.ndarray, spans: list[tuple[int, int]], mask_id: int,
                  rng: np.random.Generator | None) -> GLMSample:
     """Part A (spans collapsed to `mask_id`) + Part B (spans shuffled by `rng`; None keeps order)."""
     tokens = np.asarray(tokens, dtype=np.int64)
-    part_a, mask_pos, prev = [], [], 0
+    part_a, mask_pos, prev, n_a = [], [], 0, 0
     for s, e in spans:
-        part_a.append(tokens[prev:s])
-        mask_pos.append(sum(len(p) for p in part_a))
-        part_a.append(np.array([mask_id], dtype=np.int64))
+        part_a += [tokens[prev:s], np.array([mask_id], dtype=np.int64)]
+        n_a += s - prev
+        mask_pos.append(n_a)  # where this span's mask token sits in Part A
+        n_a += 1
         prev = e
     part_a.append(tokens[prev:])
     a = np.concatenate(part_a)

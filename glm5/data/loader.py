@@ -16,6 +16,7 @@ group's per-epoch permutation, and each row's randomness is a pure function of (
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
@@ -127,6 +128,13 @@ class DocStream:
         self._order = self._epoch_order()
 
 
+@functools.lru_cache(maxsize=4)
+def _tril(T: int) -> np.ndarray:
+    t = np.tril(np.ones((T, T), dtype=bool))
+    t.flags.writeable = False
+    return t
+
+
 class Row:
     """Builds one packed row of length T from pieces (causal or infill)."""
 
@@ -137,13 +145,14 @@ class Row:
         self.position_ids = np.zeros(T, dtype=np.int64)
         self.block_position_ids = np.zeros(T, dtype=np.int64)
         self.segment_ids = np.zeros(T, dtype=np.int64)
-        self.blocks: list[tuple[int, int, np.ndarray | None]] = []  # (start, len, mask or None=causal)
+        self.pieces: list[tuple[int, int, int]] = []  # (start, length, sep = |bidirectional prefix|)
 
     @property
     def room(self) -> int:
         return self.T - self.n
 
-    def add(self, input_ids, labels, position_ids, block_position_ids=None, mask=None) -> None:
+    def add(self, input_ids, labels, position_ids, block_position_ids=None, sep: int = 0) -> None:
+        """Append a piece; its first `sep` tokens (GLM Part A) attend bidirectionally."""
         s, L = self.n, len(input_ids)
         self.seg += 1
         self.input_ids[s: s + L] = input_ids
@@ -152,7 +161,7 @@ class Row:
         if block_position_ids is not None:
             self.block_position_ids[s: s + L] = block_position_ids
         self.segment_ids[s: s + L] = self.seg
-        self.blocks.append((s, L, mask))
+        self.pieces.append((s, L, sep))
         self.n += L
 
     def add_causal(self, tokens: np.ndarray) -> None:
@@ -160,12 +169,14 @@ class Row:
         self.add(tokens, labels, np.arange(len(tokens)))
 
     def attention_mask(self) -> np.ndarray:
-        """[T, T] bool: causal within causal pieces, the GLM mask within infill pieces, padding alone."""
+        """[T, T] bool, block-diagonal over pieces: causal, except that keys in a piece's first `sep`
+        tokens (GLM Part A) are visible to the whole piece. Padding (segment 0) is causal among
+        itself, so no softmax row is empty."""
         m = np.zeros((self.T, self.T), dtype=bool)
-        for s, L, mask in self.blocks:
-            m[s: s + L, s: s + L] = np.tril(np.ones((L, L), dtype=bool)) if mask is None else mask
-        pad = np.arange(self.n, self.T)
-        m[pad, pad] = True  # padding attends to itself only: no empty softmax rows
+        tril = _tril(self.T)
+        for s, L, sep in self.pieces + [(self.n, self.T - self.n, 0)]:
+            m[s: s + L, s: s + L] = tril[:L, :L]  # copies, no temporaries: this is the hot loop
+            m[s: s + L, s: s + sep] = True
         return m
 
 
@@ -269,8 +280,7 @@ class PackedLoader:
             if n < self.cfg.infill.min_tokens:
                 self._add_causal(row, stream)
                 return
-        row.add(sample.input_ids, sample.labels, sample.position_ids, sample.block_position_ids,
-                sample.attention_mask())
+        row.add(sample.input_ids, sample.labels, sample.position_ids, sample.block_position_ids, sample.sep)
         stream.advance(n, len(rest))
 
     def state_dict(self) -> dict:
