@@ -4,7 +4,6 @@ schedule, beam search (brute force and HF transformers on a transition-table "mo
 acceptance (exact for greedy, distribution-preserving for sampling)."""
 
 import itertools
-import math
 
 import pytest
 import torch
