@@ -47,6 +47,13 @@ def load_model(config: EngineConfig) -> GLM5ForCausalLM:
     """A checkpoint directory, or a preset name (random init seeded by config.seed)."""
     dtype = getattr(torch, config.dtype)
     path = Path(config.model)
+    offload = config.max_resident_experts is not None or config.expert_cache_bytes is not None
+    if offload and not path.is_dir():
+        raise ValueError(f"expert offload memory-maps experts from a checkpoint directory; {config.model!r} "
+                         "is not one")
+    if offload:
+        from .offload import load_offloaded  # noqa: PLC0415
+        return load_offloaded(path, dtype, config.device, config.max_resident_experts, config.expert_cache_bytes)
     if path.is_dir():
         return from_pretrained(path, dtype=dtype, device=config.device)
     cfg = ModelConfig.load(config.model)
@@ -95,12 +102,6 @@ class LLMEngine:
     # ---- construction helpers -----------------------------------------------------------------------
     def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
         c = self.config
-        if c.max_resident_experts is not None or c.expert_cache_bytes is not None:
-            from .offload import offload_experts  # noqa: PLC0415
-            if not Path(c.model).is_dir():
-                raise ValueError("expert offload memory-maps experts from a checkpoint directory; "
-                                 f"{c.model!r} is not one")
-            offload_experts(model, c.model, c.max_resident_experts, c.expert_cache_bytes)
         if c.quantization == "int8":
             from .quant import quantize_model  # noqa: PLC0415
             quantize_model(model)

@@ -78,17 +78,18 @@ def apply_expert_updates(model, grouped: dict[tuple[int, int], dict]) -> None:
 
 
 def expert_stats(model) -> dict:
-    """Summed hit/miss counters of offloaded expert caches (empty when nothing is offloaded)."""
-    hits = misses = resident = 0
-    found = False
+    """Hit/miss counters of the offloaded-expert caches (empty when nothing is offloaded)."""
+    caches = {}
     for layer in model.model.layers:
         ex = getattr(getattr(layer, "mlp", None), "experts", None)
-        if ex is not None and hasattr(ex, "cache_stats"):
-            found = True
-            h, m, r = ex.cache_stats()
-            hits, misses, resident = hits + h, misses + m, resident + r
-    if not found:
+        cache = getattr(ex, "cache", None)
+        if cache is not None:
+            caches[id(cache)] = cache  # a byte-budget cache is shared by every layer
+    if not caches:
         return {}
-    total = hits + misses
-    return {"expert_cache_hits": hits, "expert_cache_misses": misses, "expert_cache_resident": resident,
-            "expert_cache_hit_rate": hits / total if total else 0.0}
+    hits = sum(c.hits for c in caches.values())
+    misses = sum(c.misses for c in caches.values())
+    return {"expert_cache_hits": hits, "expert_cache_misses": misses,
+            "expert_cache_resident": sum(len(c.items) for c in caches.values()),
+            "expert_cache_bytes": sum(c.nbytes for c in caches.values()),
+            "expert_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0}

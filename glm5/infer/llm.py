@@ -1,0 +1,133 @@
+"""`LLM`: offline generation on top of `LLMEngine` (vLLM's `LLM` shape).
+
+    llm = LLM("tiny")                      # a preset (random weights) or a checkpoint directory
+    outs = llm.generate(["Hello", [5, 6, 7]], SamplingParams(max_tokens=32))
+    for out in llm.generate_stream("Hello"): print(out.outputs[0].text)
+
+`generate` submits every prompt at once and steps the engine until all finish (continuous batching);
+`generate_stream` yields each `RequestOutput` as it changes; `beam_search` drives `BeamSearch` with one
+single-token request per live beam (the prefix cache shares the beams' common blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+from .beam_search import BeamSearch
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling import SamplingParams
+
+Prompt = str | list[int]
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", *, tokenizer=None, model_obj=None, **engine_options):
+        unknown = set(engine_options) - ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {sorted(unknown)}; see glm5.infer.config.EngineConfig")
+        engine_options.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options), model=model_obj, tokenizer=tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts) -> list[Prompt]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _submit(self, prompts, sampling_params) -> list[str]:
+        prompts = self._as_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for p, sp in zip(prompts, params):
+            rid = f"llm-{next(self._ids)}"
+            if isinstance(p, str):
+                self.engine.add_request(rid, prompt=p, params=sp or SamplingParams())
+            else:
+                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp or SamplingParams())
+            ids.append(rid)
+        return ids
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Outputs in prompt order (each finished)."""
+        ids = self._submit(prompts, sampling_params)
+        done: dict[str, RequestOutput] = {}
+        for out in self._drain(set(ids)):
+            if out.finished:
+                done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                        ) -> Iterator[RequestOutput]:
+        """Yield each request's output whenever it changes (cumulative text and token ids)."""
+        ids = self._submit(prompts, sampling_params)
+        try:
+            yield from self._drain(set(ids))
+        finally:  # the consumer stopped early: free the blocks
+            for i in ids:
+                self.engine.abort_request(i)
+
+    def _drain(self, ids: set[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        while pending:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"requests {sorted(pending)} vanished from the engine")
+            for out in self.engine.step():
+                if out.request_id in ids:
+                    yield out
+                    if out.finished:
+                        pending.discard(out.request_id)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None, **template_kw
+             ) -> RequestOutput:
+        """One chat turn rendered with the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kw)
+        return self.generate([list(ids)], sampling_params)[0]
+
+    # ---- beam search ----------------------------------------------------------------------------
+    def beam_search(self, prompts, params: SamplingParams) -> list[RequestOutput]:
+        """HF-semantics beam search (`params.beam_width`, `length_penalty`, `early_stopping`)."""
+        results = []
+        for prompt in self._as_list(prompts):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            results.append(self._beam_one(prompt, ids, params))
+        return results
+
+    def _beam_one(self, prompt, ids: list[int], params: SamplingParams) -> RequestOutput:
+        eos = () if params.ignore_eos else self.engine.eos_token_ids
+        search = BeamSearch(params.beam_width, params.max_tokens or 16, eos, params.length_penalty,
+                            params.early_stopping)
+        k = max(2, 1 + len(search.eos_token_ids)) * params.beam_width  # enough candidates per beam
+        step = SamplingParams(temperature=0, max_tokens=1, logprobs=k, ignore_eos=True)
+        vocab = self.engine.model_config.vocab_size
+        while not search.done:
+            outs = self.generate([ids + b.token_ids for b in search.beams], step)
+            rows = torch.full((len(outs), vocab), float("-inf"))
+            for r, o in enumerate(outs):
+                for tok, lp in o.outputs[0].logprobs[0].items():
+                    rows[r, tok] = lp.logprob
+            search.step(rows)
+        comps = []
+        for i, b in enumerate(search.results()):
+            text = self.tokenizer.decode(b.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            comps.append(CompletionOutput(i, text, b.token_ids, b.sum_logprob, None, "stop"))
+        return RequestOutput(f"beam-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids,
+                             outputs=comps, finished=True, model_version=self.engine.model_version)

@@ -1,0 +1,160 @@
+"""INT8 weight-only quantisation, applied at load (`quantization="int8"`), gpt-fast style: replace modules.
+
+W [out, in] -> int8 Wq with one fp32 scale per output channel (absmax / 127), so y = (x @ Wq^T) * scale.
+Routed experts are quantised per expert ([E, out] scales). Kept in full precision, on purpose: the
+router and indexer (selection is sensitive to small score changes), `kv_b_proj` (read as a matrix by
+the absorbed attention), norms and embeddings.
+
+Matmul kernels on CPU (bench/engine.py measures them; `select_kernels` re-measures at load):
+  * "int8pack": `aten._weight_int8pack_mm` with bf16 activations (fast for decode-sized M);
+  * "int_mm": `torch._int_mm` with dynamic per-row int8 activations (int32 accumulate);
+  * "dequant": dequantise to fp32 on the fly and use the fp32 GEMM (the accurate reference path).
+`_weight_int8pack_mm` with fp32 activations was measured 50-100x slower and is not offered.
+Dims: M rows, K in features, N out features, E experts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("int8pack", "int_mm", "dequant")
+# kernel per row bucket: "small" = M <= SMALL_M (decode), "large" (prefill); set by select_kernels
+KERNEL_CHOICE = {"small": "int8pack", "large": "int_mm"}
+SMALL_M = 16
+_SKIP = ("kv_b_proj", "indexer")  # module names kept in full precision (the router is no nn.Linear)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (int8 [..., N, K], fp32 scale [..., N]): symmetric per output channel."""
+    scale = w.float().abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (wq * scale)^T, in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [M, K]
+    kernel = kernel or KERNEL_CHOICE["small" if x2.shape[0] <= SMALL_M else "large"]
+    if kernel == "int8pack" and x2.device.type == "cpu":
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), wq, scale.to(torch.bfloat16))
+    elif kernel == "int_mm" and x2.shape[0] > 0:
+        s = x2.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0  # [M, 1]
+        xq = torch.round(x2.float() / s).to(torch.int8)
+        y = torch._int_mm(xq, wq.t()).float() * s * scale  # [M, N]
+    else:
+        y = F.linear(x2, wq.to(x2.dtype)) * scale.to(x2.dtype)
+    return y.to(x.dtype).view(*shape[:-1], wq.shape[0])
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        q, s = quantize_weight(linear.weight.data)
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scale", s)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_linear(x, self.weight_int8, self.scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class Int8Experts(nn.Module):
+    """`Experts` with int8 gate_up [E, 2I, H] / down [E, H, I] and per-expert per-channel scales."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.n_experts, self.inter = experts.n_experts, experts.inter
+        gu, gu_s = quantize_weight(experts.gate_up_proj.data)
+        dn, dn_s = quantize_weight(experts.down_proj.data)
+        self.register_buffer("gate_up_int8", gu)
+        self.register_buffer("gate_up_scale", gu_s)
+        self.register_buffer("down_int8", dn)
+        self.register_buffer("down_scale", dn_s)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep=None) -> torch.Tensor:
+        """x [N, H], idx/weights [N, A] -> [N, H] (the same token sort as the fp `Experts`)."""
+        order, token, counts = sort_by_expert(idx, self.n_experts, keep)
+        xs = x[token]  # [M, H]
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            h = int8_linear(xs[start:start + n], self.gate_up_int8[e], self.gate_up_scale[e])  # [n, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            outs.append(int8_linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e]))
+            start += n
+        ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    @torch.no_grad()
+    def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
+        """Hot swap: re-quantise the given projections of expert e."""
+        inter = self.inter
+        for name, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
+            if name in parts:
+                q, s = quantize_weight(parts[name])
+                self.gate_up_int8[e, rows], self.gate_up_scale[e, rows] = q, s
+        if "down" in parts:
+            self.down_int8[e], self.down_scale[e] = quantize_weight(parts["down"])
+
+
+def sort_by_expert(idx: torch.Tensor, n_experts: int, keep=None):
+    """Assignments grouped by expert: (order [M] into the flat N*A list, token [M], counts [E])."""
+    A = idx.shape[1]
+    flat = idx.reshape(-1)
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, n_experts)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]
+    order = order[: int(counts.sum())]
+    return order, order // A, counts
+
+
+def quantize_model(model: nn.Module, kernels: dict | None = None) -> nn.Module:
+    """Swap every eligible nn.Linear for Int8Linear and every expert block for Int8Experts, in place."""
+    if kernels:
+        KERNEL_CHOICE.update(kernels)
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if any(s in full for s in _SKIP):
+                continue
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, Int8Linear(child))
+            elif child.__class__.__name__ == "Experts":
+                setattr(module, child_name, Int8Experts(child))
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers (what stays resident for the weights)."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def time_kernel(kernel: str, m: int, k: int, n: int, iters: int = 20) -> float:
+    """Seconds per call of one kernel on a random [m, k] x [n, k]^T problem."""
+    w = torch.randn(n, k) * 0.02
+    q, s = quantize_weight(w)
+    x = torch.randn(m, k)
+    int8_linear(x, q, s, kernel)
+    t = time.perf_counter()
+    for _ in range(iters):
+        int8_linear(x, q, s, kernel)
+    return (time.perf_counter() - t) / iters
+
+
+def select_kernels(k: int, n: int, iters: int = 20) -> dict[str, dict[str, float]]:
+    """Measure every kernel at M=1 and M=64 for a K x N weight; set KERNEL_CHOICE to the fastest."""
+    times = {}
+    for bucket, m in (("small", 1), ("large", 64)):
+        times[bucket] = {kern: time_kernel(kern, m, k, n, iters) for kern in KERNELS}
+        KERNEL_CHOICE[bucket] = min(times[bucket], key=times[bucket].get)
+    return times
