@@ -125,6 +125,39 @@ def test_chat_stream_equals_nonstream(live):
             assert getattr(msg, "reasoning_content", None) is None
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_chat_forced_tool_call_and_multi_turn(live):
+    """A named tool_choice prefills `<tool_call>name`: the random model's continuation is parsed into a
+    call named get_weather..., identically streamed and not; a multi-turn history with a tool result renders."""
+    c = oai(live)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+               {"role": "user", "content": "And Rome?"}]
+    req = dict(model="tiny", messages=history, tools=TOOLS, max_tokens=12, temperature=0,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}},
+               extra_body={"ignore_eos": True})
+    full = c.chat.completions.create(**req).choices[0]
+    calls = [(t.function.name, t.function.arguments) for t in full.message.tool_calls]
+    assert calls and calls[0][0].startswith("get_weather") and json.loads(calls[0][1]) is not None
+    assert full.message.reasoning_content is None  # the forced call closed the think block
+    streamed: dict[int, list] = {}
+    content = ""
+    for chunk in c.chat.completions.create(**req, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for t in ch.delta.tool_calls or []:
+                entry = streamed.setdefault(t.index, ["", ""])
+                entry[0] += t.function.name or ""
+                entry[1] += t.function.arguments or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
+    assert (content or None) == full.message.content
+
+
 def test_auth_and_errors_through_real_engine(live):
     with pytest.raises(openai.AuthenticationError):
         oai(live, "bad").completions.create(model="tiny", prompt="x", max_tokens=1)

@@ -91,6 +91,14 @@ def test_tool_parser_golden_and_streaming(raw, content, expected):
         assert stream_tools(chunks, WEATHER) == reference, chunks
 
 
+def test_forced_call_cut_in_name_is_still_a_call():
+    for chunks in chunkings("<tool_call>get_wea"):
+        p = GLMToolParser(WEATHER, ids(), forced=True)
+        deltas = [d for c in chunks for d in p.feed(c).tool_calls] + p.finish().tool_calls
+        assert [(c.name, c.arguments) for c in p.tool_calls] == [("get_wea", "{}")] and p.content is None
+        assert "".join(d.arguments for d in deltas) == "{}" and deltas[0].name == "get_wea"
+
+
 def test_tool_arguments_stream_per_pair():
     p = GLMToolParser(WEATHER, ids())
     first = p.feed("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>")

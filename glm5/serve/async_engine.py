@@ -65,7 +65,8 @@ class AsyncEngine:
         self._backlog: collections.deque[_Pending] = collections.deque()  # accepted, not in the engine yet
         self._active: dict[str, _Pending] = {}  # in the engine
         self._swaps: collections.deque[tuple[Any, Future]] = collections.deque()
-        self._num_submitted = 0  # submitted but not yet moved to the backlog (guarded by the GIL)
+        self._num_submitted = 0  # submitted but not yet moved to the backlog
+        self._count_lock = threading.Lock()
         self._stats: dict = {}
         self._stopping = False
         self._stop_timeout = 0.0
@@ -94,7 +95,8 @@ class AsyncEngine:
         if self.num_waiting() >= self.max_waiting_requests:
             raise Overloaded(f"{self.num_waiting()} requests are waiting")
         p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop())
-        self._num_submitted += 1
+        with self._count_lock:
+            self._num_submitted += 1
         self._commands.put(("add", p))
         try:
             while True:
@@ -174,7 +176,8 @@ class AsyncEngine:
     def _handle(self, cmd, fail: BaseException | None) -> None:
         kind, arg = cmd
         if kind == "add":
-            self._num_submitted -= 1
+            with self._count_lock:
+                self._num_submitted -= 1
             if fail is not None or self._stopping:
                 self._send(arg, EngineDead("the server is shutting down"))
             else:
@@ -222,8 +225,11 @@ class AsyncEngine:
             p = self._backlog.popleft()
             try:
                 self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError) as e:  # the engine rejected this request: the client's 400
                 self._send(p, e)
+                continue
+            except Exception as e:  # noqa: BLE001 - fail this request only, keep serving the others
+                self._send(p, RuntimeError(f"engine could not add the request: {type(e).__name__}: {e}"))
                 continue
             p.admitted = time.monotonic()
             self.metrics.observe("vllm:request_queue_time_seconds", p.admitted - p.arrival)

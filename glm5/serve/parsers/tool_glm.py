@@ -9,7 +9,8 @@ Streaming emits the call's name (with its id) as soon as the name is complete, t
 fragment per finished key/value pair (`{"k": v`, `, "k2": v2`, `}`), so long calls show progress and
 zero-argument calls still produce a name and `{}` (F1). The concatenated fragments equal the final
 `arguments` string. An output that ends inside a call (max_tokens) closes the arguments JSON with the
-pairs seen so far; one that ends before the name is complete is content.
+pairs seen so far; one that ends before the name is complete is content, unless the call was forced
+(`tool_choice`), in which case the name so far is the call.
 """
 
 from __future__ import annotations
@@ -84,7 +85,9 @@ def _deserialize(value: str) -> Any:
 class GLMToolParser:
     """`feed(delta) -> ParsedDelta`, `finish() -> ParsedDelta`; `content`/`tool_calls` hold the totals."""
 
-    def __init__(self, tools: list[dict] | None = None, id_factory: Callable[[], str] = new_call_id):
+    def __init__(self, tools: list[dict] | None = None, id_factory: Callable[[], str] = new_call_id,
+                 forced: bool = False):
+        self.forced = forced  # tool_choice forced a call: a name cut off by the end is still a call
         self.string_params = _string_params(tools)
         self.id_factory = id_factory
         self.state = "outside"  # outside | name | key | before_value | value | after_value
@@ -112,6 +115,11 @@ class GLMToolParser:
         rest, self.buf = self.buf, ""
         if self.state == "outside":
             self._emit_content(rest, out)
+        elif self.state == "name" and self.forced and rest.strip():
+            self.buf = rest + TOOL_CLOSE
+            self._on_name(out)
+            self.buf = ""
+            self._close_call(out)
         elif self.state == "name":  # never announced: it was text after all
             self._emit_content(TOOL_OPEN + rest, out)
         else:
