@@ -209,3 +209,19 @@ def test_eval_batches_cover_every_token_once(corpus):
     assert set(inputs) == set(total)
     repeated = {t for t, c in inputs.items() if c > 1}
     assert repeated <= row_ends and all(inputs[t] == 2 for t in repeated)
+
+
+def test_example_config_parses_and_runs(tmp_path):
+    from pathlib import Path
+
+    from glm5.core.config import load_config
+    root = Path(__file__).resolve().parents[1]
+    make_shards(tmp_path / "t", n_docs=40, groups=("tech", "quotes", "literature", "code"))
+    cfg = load_config(DataLoaderConfig, root / "configs/data/loader-example.toml",
+                      [f"--train_path={tmp_path / 't'}", "--batch_size=2"])
+    assert [s.seq_len for s in cfg.stages] == [256, 512, 1024] and cfg.stage_at(700).seq_len == 1024
+    batch = PackedLoader(cfg, rank=0, world_size=1).next_batch()
+    assert batch["attention_mask"].shape == (2, 256, 256)
+    from glm5.core.config import ConfigError
+    with pytest.raises(ConfigError, match="until_step"):
+        load_config(DataLoaderConfig, None, ["--stages=[{until_step=0, seq_len=8}, {until_step=5, seq_len=8}]"])
