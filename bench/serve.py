@@ -168,6 +168,23 @@ def table(rows: list[dict], label: str = "") -> str:
     return "\n".join(lines)
 
 
+def knob_runs(args, engine_opts: list[str]) -> list[dict]:
+    """One server per engine-override set; each serves one level per request rate."""
+    rows = []
+    for knob in filter(None, (k.strip() for k in args.knobs.split(";"))):
+        opts = engine_opts + [f"--{kv.strip()}" for kv in knob.split(",")]
+        s = Server(args.model, opts, args.out + ".knob.log")
+        try:
+            s.wait(args.startup_timeout_s)
+            for rate in args.request_rate:
+                row = bench_server(s.url, args, [args.knob_concurrency], rate, args.knob_num_prompts)[0]
+                row["label"], row["request_rate"] = knob, rate
+                rows.append(row)
+        finally:
+            s.stop()
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
@@ -200,18 +217,7 @@ def main() -> int:
     finally:
         if server:
             server.stop()
-    result["knobs"] = []
-    for knob in filter(None, (k.strip() for k in args.knobs.split(";"))):
-        opts = engine_opts + [f"--{kv.strip()}" for kv in knob.split(",")]
-        s = Server(args.model, opts, args.out + ".knob.log")
-        try:
-            s.wait(args.startup_timeout_s)
-            for rate in args.request_rate:
-                row = bench_server(s.url, args, [args.knob_concurrency], rate, args.knob_num_prompts)[0]
-                row["label"], row["request_rate"] = knob, rate
-                result["knobs"].append(row)
-        finally:
-            s.stop()
+    result["knobs"] = knob_runs(args, engine_opts)
     print(table(result["levels"], "levels"))
     if "throughput_ratio_max_vs_1" in result:
         print(f"\noutput throughput at concurrency {max(by_c)} / concurrency 1 = "

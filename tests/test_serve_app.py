@@ -4,9 +4,7 @@ streaming == non-streaming, errors, auth, body bound, admission control, dynamic
 """
 
 import asyncio
-import io
 import json
-import threading
 import time
 
 import httpx

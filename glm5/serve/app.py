@@ -218,6 +218,11 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             if not body.stream else await create_chat_completion(state, body, rid)
         return result if isinstance(result, Response) else _json_response(result, request)
 
+    _install_info_routes(app, state)
+    _install_admin_routes(app, state)
+
+
+def _install_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "glm5",
@@ -228,14 +233,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         ae = state.async_engine
-        if ae._dead is not None or ae._stopping:
+        if not ae.is_running():
             return _error(503, "engine not running", "service_unavailable", code="engine_unavailable")
         return {"status": "ok", "model_version": ae.model_version}
 
     @app.get("/metrics")
     async def prometheus():
         ae = state.async_engine
-        text = ae.metrics.render(ae.stats(), extra_queued=len(ae._backlog) + ae._num_submitted)
+        text = ae.metrics.render(ae.stats(), extra_queued=ae.num_queued())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
@@ -257,6 +262,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, f"tokens: ids must be in [0, {vocab})", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+
+
+def _install_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/admin/experts")
     async def swap_experts(request: Request):
         body = await request.body()

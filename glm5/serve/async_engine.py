@@ -82,6 +82,13 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
+    def is_running(self) -> bool:
+        return self._dead is None and not self._stopping and self._thread.is_alive()
+
+    def num_queued(self) -> int:
+        """Requests the server holds back (not in the engine yet)."""
+        return len(self._backlog) + self._num_submitted
+
     def num_waiting(self) -> int:
         return len(self._backlog) + self._num_submitted + int(self._stats.get("num_waiting", 0) or 0)
 

@@ -9,7 +9,6 @@ sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_e
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -182,10 +181,6 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

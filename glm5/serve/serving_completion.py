@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from glm5.serve.common import (APIError, ServerState, logprob_of, max_tokens_for, merge_streams,
                                sampling_params, sse, token_str, top_entries)
-from glm5.serve.protocol import CompletionRequest, Usage, new_id, now
+from glm5.serve.protocol import CompletionRequest, Usage, now
 
 
 def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
