@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glm5.core.config import load_config, to_dict
+from glm5.core.config import ConfigError, load_config, to_dict
 from glm5.core.io import atomic_dir
 from glm5.data.shards import ShardWriter
 from glm5.data.tokenizer import GLMTokenizer, load_tokenizer
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="glm5 data tokenize", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="TOML file (see configs/data/tokenize.toml)")
     args, overrides = ap.parse_known_args(argv)
-    cfg = load_config(TokenizeConfig, args.config, overrides)
+    try:
+        cfg = load_config(TokenizeConfig, args.config, overrides)
+    except ConfigError as e:
+        print(f"glm5 data tokenize: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(run(cfg), ensure_ascii=False))
     return 0
