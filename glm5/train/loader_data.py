@@ -49,5 +49,10 @@ class LoaderData(DataSource):
 
     def save_tokenizer(self, directory: Path) -> None:
         """Copy the shards' tokenizer next to the model, so that `glm5 generate --model DIR` works."""
-        if self.tokenizer_path and Path(self.tokenizer_path).exists():
-            load_tokenizer(self.tokenizer_path).save(directory)
+        if not self.tokenizer_path:
+            return
+        path = Path(self.tokenizer_path)
+        if not path.exists():  # shards store the path as given, often relative to the repo root
+            path = Path(__file__).resolve().parents[2] / self.tokenizer_path
+        if path.exists():
+            load_tokenizer(path).save(directory)

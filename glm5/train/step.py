@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .balance import balance_losses
+from .indexer_warmup import indexer_kl
 
 IGNORE = -100
 MODEL_KEYS = ("input_ids", "position_ids", "segment_ids", "attention_mask", "block_position_ids")
@@ -28,7 +29,7 @@ class MicroResult:
     lm_tokens: int
     mtp_sum: torch.Tensor | None
     mtp_tokens: int
-    balance: dict[str, torch.Tensor] = field(default_factory=dict)
+    balance: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted extra terms (balance, indexer)
     router_stats: list[dict] = field(default_factory=list)
 
 
@@ -44,10 +45,14 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance_cfg) -> MicroResult:
+def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance_cfg,
+                  indexer_coef: float = 0.0, capture=None) -> MicroResult:
     """Run the model on one micro-batch; MTP runs only on causal-LM batches (GLM blank infilling is
-    not left-to-right over Part A, so "token t+2" has no meaning there)."""
+    not left-to-right over Part A, so "token t+2" has no meaning there). With `capture` (an
+    indexer_warmup.AttnCapture) and `indexer_coef`, adds the sparse-stage indexer KL term."""
     inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
+    if capture is not None:
+        capture.clear()
     cfg = getattr(model, "config", None)
     use_mtp = mtp_weight > 0 and objective == "clm" and getattr(cfg, "num_nextn_predict_layers", 0) > 0
     out = model(**inputs, return_mtp=use_mtp)
@@ -59,6 +64,9 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
         res.mtp_sum, res.mtp_tokens = ce_sum(out.mtp_logits, targets), int((targets != IGNORE).sum())
     res.balance = balance_losses(res.router_stats, labels.shape[0], balance_cfg.seq_aux_coef,
                                  balance_cfg.aux_coef, balance_cfg.z_loss_coef)
+    if capture is not None and indexer_coef:
+        res.balance["indexer_kl"] = indexer_coef * indexer_kl(capture.records, out.selections)
+        capture.clear()
     aux = getattr(out, "aux_loss", None)
     if isinstance(aux, torch.Tensor):
         res.balance["model_aux_loss"] = aux

@@ -32,10 +32,11 @@ from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
 from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .data import DataSource, build_data
+from .indexer_warmup import AttnCapture, indexer_parameters, warmup_step
 from .optim import build_optimizer
 from .schedule import BatchRamp, lr_factor, pick_objective
 from .stability import NonFiniteGuard, clip_global, clip_layerwise, grad_norm, layer_groups
-from .step import IGNORE, forward_micro, micro_loss, mtp_labels
+from .step import IGNORE, MODEL_KEYS, forward_micro, micro_loss, mtp_labels
 
 logger = logging.getLogger("glm5.train")
 
@@ -90,6 +91,7 @@ class Trainer:
                               cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
         self.gates, self.tracker = find_gates(self.raw_model), LoadTracker()
         self.layer_groups = layer_groups(self.raw_model)
+        self.capture = AttnCapture(self.raw_model) if cfg.dsa.indexer_loss_coef > 0 else None
         self.step = 0
         self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
         self.run_dir = Path(cfg.log.run_dir)
@@ -168,7 +170,8 @@ class Trainer:
         self.tracker.reset()
         for objective, batch in micro:
             with self._autocast():
-                res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance)
+                res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
+                                    cfg.dsa.indexer_loss_coef, self.capture)
                 loss = micro_loss(res, n_tok, n_mtp, cfg.train.mtp_weight, len(micro))
             loss.backward()
             sums["lm"] += float(res.lm_sum.detach())
@@ -202,12 +205,33 @@ class Trainer:
         self.step += 1
         return metrics
 
+    def indexer_warmup(self, writer) -> None:
+        """DSA stage 1 (before step 0): `dsa.indexer_warmup_steps` steps training only the indexers by
+        KL to the frozen model's dense attention, with their own AdamW (not checkpointed: it is short)."""
+        params = indexer_parameters(self.raw_model)
+        if not params:
+            return
+        opt = torch.optim.AdamW(params, lr=self.cfg.dsa.indexer_warmup_lr, weight_decay=0.0)
+        capture = AttnCapture(self.raw_model)
+        try:
+            for i in range(self.cfg.dsa.indexer_warmup_steps):
+                batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                         for k, v in self.data.next_batch("clm").items()}
+                with self._autocast():
+                    kl = warmup_step(self.raw_model, batch, opt, capture, MODEL_KEYS)
+                if i % self.cfg.log.every == 0 or i == self.cfg.dsa.indexer_warmup_steps - 1:
+                    self._write(writer, {"event": "indexer_warmup", "warmup_step": i, "indexer_kl": kl})
+        finally:
+            capture.remove()
+
     # --- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation LM loss (token-weighted) and the add-one unigram baseline fitted on the training
         targets seen so far, on the same validation tokens."""
         self.model.eval()
+        if self.capture is not None:
+            self.capture.enabled = False
         total, count, uni = 0.0, 0, 0.0
         logp = torch.log((self.unigram + 1) / (self.unigram.sum() + self.unigram.numel()))
         for batch in self.data.val_batches(self.cfg.log.eval_batches):
@@ -219,6 +243,8 @@ class Trainer:
             labels = batch["labels"][batch["labels"] != IGNORE].cpu()
             uni -= float(logp[labels].sum())
         self.model.train()
+        if self.capture is not None:
+            self.capture.enabled = True
         if count == 0:
             return {}
         return {"val_loss": total / count, "unigram_loss": uni / count, "val_tokens": count}
@@ -232,6 +258,8 @@ class Trainer:
                          num_threads=self.num_threads, device=str(self.device))
         if cfg.log.measure_peak:
             self.peak_flops = perf.measure_matmul_peak(self.device, self.autocast_dtype or torch.float32)
+        if self.step == 0 and cfg.dsa.indexer_warmup_steps > 0:
+            self.indexer_warmup(writer)
         bar = _progress(cfg.log.progress and dist.is_main(), self.step, cfg.train.steps)
         last_saved, summary = self.step, {}
         deadline = time.monotonic() + 60 * cfg.train.time_limit_min if cfg.train.time_limit_min else None
