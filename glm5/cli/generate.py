@@ -1,0 +1,88 @@
+"""`glm5 generate`: text generation from a checkpoint directory or a preset (random weights).
+
+    glm5 generate --model tiny --prompt "Hello" --max-tokens 32 --temperature 0.7 --seed 1
+    glm5 generate --model runs/ckpt --prompt "a" --prompt "b"          # several prompts, one batch
+    glm5 generate --model runs/ckpt --interactive                      # chat with the chat template
+
+Streams the completion of a single prompt as it is generated. Engine options (`--quantization int8`,
+`--speculative-num-tokens 2`, `--max-model-len`, `--device`) go to `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="glm5 generate", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory or preset name (tiny, small, ...)")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat using the chat template")
+    p.add_argument("--system", default=None, help="system message for --interactive")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per completion")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--quantization", choices=["int8"], default=None, help="weight-only INT8")
+    p.add_argument("--speculative-num-tokens", type=int, default=0, help="MTP draft tokens per step")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
+    p.add_argument("--max-session-len", type=int, default=None, help="--interactive: history token limit")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.prompt and not args.interactive:
+        print("glm5 generate: give --prompt TEXT or --interactive", file=sys.stderr)
+        return 2
+    from glm5.infer.llm import LLM  # noqa: PLC0415 (keep `glm5 --help` cheap)
+    from glm5.infer.sampling import SamplingParams  # noqa: PLC0415
+    opts = dict(quantization=args.quantization, speculative_num_tokens=args.speculative_num_tokens,
+                max_model_len=args.max_model_len, max_session_len=args.max_session_len)
+    if args.device:
+        opts["device"] = args.device
+    llm = LLM(args.model, **opts)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    if llm.tokenizer is None:
+        print("glm5 generate: this model has no tokenizer (text prompts need one)", file=sys.stderr)
+        return 2
+    if args.interactive:
+        return chat(llm, params, args.system)
+    if len(args.prompt) == 1:
+        stream(llm, args.prompt[0], params)
+        return 0
+    for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
+        print(f"=== {prompt!r}\n{out.outputs[0].text}")
+    return 0
+
+
+def stream(llm, prompt: str, params) -> None:
+    shown = 0
+    for out in llm.generate_stream(prompt, params):
+        text = out.outputs[0].text
+        print(text[shown:], end="", flush=True)
+        shown = len(text)
+    print()
+
+
+def chat(llm, params, system: str | None) -> int:
+    from glm5.infer.session import Session  # noqa: PLC0415
+    session = Session(llm.engine, system=system)
+    print("chat: an empty line or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("user> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        out = session.send(line, params)
+        print(f"assistant> {out.outputs[0].text}")
+    st = session.stats()
+    print(f"[{st['turns']} turns, {st['cached_tokens']}/{st['prompt_tokens']} prompt tokens from the prefix cache]",
+          file=sys.stderr)
+    return 0
