@@ -225,3 +225,32 @@ def test_example_config_parses_and_runs(tmp_path):
     from glm5.core.config import ConfigError
     with pytest.raises(ConfigError, match="until_step"):
         load_config(DataLoaderConfig, None, ["--stages=[{until_step=0, seq_len=8}, {until_step=5, seq_len=8}]"])
+
+
+def test_tokenize_cli_round_trip(tmp_path):
+    """`glm5 data tokenize`: JSONL -> shards whose documents decode back to the texts (+ EOS)."""
+    import gzip
+    from pathlib import Path
+
+    from glm5.data.tokenize_cli import TokenizeConfig, run
+    from glm5.data.tokenizer import load_tokenizer
+    asset = Path(__file__).resolve().parents[1] / "glm5/data/assets/tokenizer-8k"
+    docs = [{"id": "a", "text": "Hello world. Second sentence!", "source": "web", "lang": "en", "domain": "tech"},
+            {"id": "b", "text": "def f():\n    return 1\n", "source": "py", "lang": "code", "domain": "code"},
+            {"id": "c", "text": "低质量", "source": "web", "lang": "zh", "domain": "tech", "quality": 0.1},
+            {"id": "d", "text": "你好，世界。😀", "source": "web", "lang": "zh", "domain": "tech", "quality": 0.9}]
+    with gzip.open(tmp_path / "in.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in docs)
+    cfg = TokenizeConfig(splits={"train": [str(tmp_path / "in.jsonl.gz")]}, output=str(tmp_path / "out"),
+                         tokenizer=str(asset), min_quality=0.5)
+    summary = run(cfg)
+    assert summary["train"]["docs"] == 3 and summary["train"]["dtype"] == "uint16"
+    sh = TokenShards(tmp_path / "out" / "train")
+    tok = load_tokenizer(sh.meta["tokenizer"])  # the copy that travels with the shards
+    kept = [d for d in docs if d.get("quality", 1.0) >= 0.5]
+    for i, d in enumerate(kept):
+        assert tok.decode(sh.doc(i)) == d["text"] + "<|endoftext|>"
+        assert (sh.category(i, "source"), sh.category(i, "lang"), sh.category(i, "domain")) == \
+            (d["source"], d["lang"], d["domain"])
+    assert tok.encode(".")[0] in sh.sentence_end_ids and tok.encode("。")[0] in sh.sentence_end_ids
+    assert sh.special_tokens == tok.special_tokens

@@ -4,6 +4,7 @@ Layout of a shard directory (written by `glm5 data tokenize`, read by the loader
   meta.json            dtype, vocab_size, special-token ids, sentence-end ids, category names, parts
   part-00000.bin       all token ids of the part's documents back to back (uint16 if vocab < 65536)
   part-00000.idx.npz   offsets [N+1] int64, and source/lang/domain codes [N] int16 (names in meta)
+  tokenizer/           a copy of the tokenizer that made the shards (meta["tokenizer"] = its path)
 Documents end with `<|endoftext|>` when `append_eos` (the default). Knows nothing about tokenizers.
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -92,13 +93,19 @@ def tokenize_split(tokenizer: GLMTokenizer, inputs: list[str], out_dir: Path, cf
 
 def run(cfg: TokenizeConfig) -> dict[str, dict]:
     tokenizer = load_tokenizer(cfg.tokenizer)
-    meta = {"tokenizer": str(cfg.tokenizer), "special_tokens": tokenizer.special_tokens,
+    digest = hashlib.sha256(tokenizer.tok.to_str().encode()).hexdigest()[:16]
+    meta = {"tokenizer_source": str(cfg.tokenizer), "tokenizer_sha256": digest,
+            "special_tokens": tokenizer.special_tokens,
             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
             "append_eos": cfg.append_eos, "sentence_end_ids": sentence_end_ids(tokenizer),
             "config": to_dict(cfg)}
     summary = {}
     for split, inputs in cfg.splits.items():
-        with atomic_dir(Path(cfg.output) / split) as tmp:
+        final = Path(cfg.output).resolve() / split
+        # The tokenizer travels with its shards (a model must use the tokenizer its data was made with).
+        meta["tokenizer"] = str(final / "tokenizer")
+        with atomic_dir(final) as tmp:
+            tokenizer.save(tmp / "tokenizer")
             m = tokenize_split(tokenizer, inputs, tmp, cfg, meta)
         summary[split] = {"docs": m["num_docs"], "tokens": m["num_tokens"], "dtype": m["dtype"],
                           "domains": m["categories"]["domain"]}
