@@ -323,3 +323,44 @@ def test_metrics_and_tokenize(server):
     assert 'vllm:generation_tokens_total{model_name="fake"} 4.0' in text
     ids = httpx.post(url + "/tokenize", json={"prompt": "hello"}).json()["tokens"]
     assert httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"].endswith("hello")
+
+
+def test_cli_parse_args():
+    from glm5.cli.serve import parse_args
+    from glm5.core.config import ConfigError
+    engine, srv = parse_args(["--model", "tiny", "--max_num_seqs=8", "--engine.block_size", "32", "--port", "9000",
+                              "--api-key", "k", "--batch-timeout-ms=5", "--server.max_waiting_requests=3"])
+    assert (engine.model, engine.max_num_seqs, engine.block_size, engine.batch_timeout_ms) == ("tiny", 8, 32, 5)
+    assert (srv.host, srv.port, srv.api_key, srv.max_waiting_requests) == ("127.0.0.1", 9000, "k", 3)
+    for bad in (["--model", "x", "--bogus=1"], ["--model", "x", "--server.port=0"], ["--model", "x", "--other.k=1"]):
+        with pytest.raises(ConfigError):
+            parse_args(bad)
+
+
+@pytest.mark.slow
+def test_cli_serves_tiny_preset(tmp_path):
+    """`glm5 serve` as a subprocess: health, a completion, SIGTERM shuts it down cleanly."""
+    import subprocess
+    import sys
+
+    from glm5.serve.testing import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "glm5.cli.main", "serve", "--model", "tiny", "--port", str(port),
+                             "--device=cpu", "--batch_timeout_ms=0", "--max_model_len=256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        r = client(url).completions.create(model="tiny", prompt="hi", max_tokens=4)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        proc.terminate()
+        code, out = proc.wait(timeout=60), proc.stdout.read()
+        # uvicorn re-raises the caught SIGTERM after its graceful shutdown
+        assert code in (0, -15) and "Application shutdown complete" in out, out

@@ -169,6 +169,32 @@ def test_auth_and_errors_through_real_engine(live):
     assert httpx.get(live["url"] + "/health").json()["status"] == "ok"
 
 
+EDGE_BODIES = [
+    {"prompt": "x", "max_tokens": 3, "top_k": 10**9, "min_p": 1.0},
+    {"prompt": "x", "max_tokens": 3, "temperature": 1e-9, "top_p": 1e-9},
+    {"prompt": "x", "max_tokens": 3, "n": 3, "seed": 2**63 - 65, "temperature": 2.0},
+    {"prompt": "x", "max_tokens": 3, "seed": 2**64},
+    {"prompt": "x", "max_tokens": 3, "stop": ["é", "\u0000"], "stop_token_ids": [10**9], "logprobs": 20},
+    {"prompt": "x", "max_tokens": 3, "repetition_penalty": 10, "presence_penalty": 2, "frequency_penalty": -2},
+    {"prompt": "x", "max_tokens": 3, "min_tokens": 50},
+    {"prompt": [[]], "max_tokens": 3},
+    {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 0},
+    {"prompt": "x", "max_tokens": 3, "logprobs": 21},
+    {"prompt": "x", "max_tokens": 3, "stream": True, "n": 2, "echo": True, "logprobs": 1},
+]
+
+
+def test_edge_parameters_never_500(live):
+    """Odd but parseable parameters answer 200 or a 4xx, and the engine keeps serving."""
+    h = {"Authorization": f"Bearer {KEY}"}
+    for body in EDGE_BODIES:
+        r = httpx.post(live["url"] + "/v1/completions", json={"model": "tiny", **body}, headers=h, timeout=60)
+        assert r.status_code in (200, 400), (body, r.status_code, r.text)
+        if r.status_code == 400:
+            assert r.json()["error"]["message"]
+    assert httpx.get(live["url"] + "/health").status_code == 200
+
+
 def _kv_stats(engine):
     s = engine.get_stats()
     return {k: v for k, v in s.items() if "block" in k or "kv" in k}

@@ -43,7 +43,7 @@ class SamplingFields(OpenAIModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=64)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1 - 64)  # child i of n uses seed + i
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
