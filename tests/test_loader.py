@@ -254,3 +254,26 @@ def test_tokenize_cli_round_trip(tmp_path):
             (d["source"], d["lang"], d["domain"])
     assert tok.encode(".")[0] in sh.sentence_end_ids and tok.encode("。")[0] in sh.sentence_end_ids
     assert sh.special_tokens == tok.special_tokens
+
+
+def test_tiny_model_consumes_infill_batches_without_leaks(corpus):
+    """Contract check with the model: a GLM batch runs, and Part A never sees Part B."""
+    model_mod = pytest.importorskip("glm5.model.model")
+    from glm5.model.config import ModelConfig
+    path, _ = corpus
+    cfg = ModelConfig.from_preset("tiny")
+    cfg.block_position_embedding = True  # synthetic token ids stay below the 8192 vocabulary
+    torch.manual_seed(0)
+    model = model_mod.GLM5ForCausalLM(cfg).init_weights(0).eval()
+    batch = PackedLoader(DataLoaderConfig(train_path=str(path), batch_size=1, seq_len=64, seed=3),
+                         rank=0, world_size=1).next_batch("glm")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    blk, seg = batch["block_position_ids"][0], batch["segment_ids"][0]
+    j = int(torch.nonzero(blk > 1)[0])  # a Part B token
+    changed = {k: v.clone() for k, v in inputs.items()}
+    changed["input_ids"][0, j] += 1
+    with torch.no_grad():
+        a, b = model(**inputs).logits[0], model(**changed).logits[0]
+    part_a = (blk == 0) & (seg == seg[j])
+    assert torch.allclose(a[part_a], b[part_a], atol=1e-5)
+    assert not torch.allclose(a[j], b[j])
