@@ -195,6 +195,16 @@ def test_edge_parameters_never_500(live):
     assert httpx.get(live["url"] + "/health").status_code == 200
 
 
+def test_metrics_from_real_engine(live):
+    oai(live).completions.create(model="tiny", prompt="metrics please", max_tokens=4, temperature=0)
+    text = httpx.get(live["url"] + "/metrics").text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:") and "_bucket" not in line}
+    assert values["vllm:prefix_cache_queries"] > 0 and values["vllm:generation_tokens_total"] >= 4
+    assert values["vllm:time_to_first_token_seconds_count"] >= 1 and values["vllm:num_requests_running"] == 0
+    assert 'model_name="tiny"' in text
+
+
 def _kv_stats(engine):
     s = engine.get_stats()
     return {k: v for k, v in s.items() if "block" in k or "kv" in k}

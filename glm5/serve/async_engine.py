@@ -205,7 +205,7 @@ class AsyncEngine:
         if p is not None:
             self.engine.abort_request(request_id)
             p.done = True
-            self.metrics.inc("vllm:request_success_total", 0.0, "abort")
+            self.metrics.inc("vllm:request_success_total", 1.0, "abort")
             return
         for p in list(self._backlog):
             if p.request_id == request_id:
@@ -239,7 +239,6 @@ class AsyncEngine:
                 self._send(p, RuntimeError(f"engine could not add the request: {type(e).__name__}: {e}"))
                 continue
             p.admitted = time.monotonic()
-            self.metrics.observe("vllm:request_queue_time_seconds", p.admitted - p.arrival)
             self._active[p.request_id] = p
 
     def _step(self) -> None:
@@ -261,6 +260,7 @@ class AsyncEngine:
         if new > 0:
             if p.num_tokens == 0:
                 self.metrics.observe("vllm:time_to_first_token_seconds", now - p.arrival)
+                self.metrics.observe("vllm:request_queue_time_seconds", self._queue_time(p, out))
                 self.metrics.inc("vllm:prompt_tokens_total", len(p.prompt_token_ids))
             else:
                 for _ in range(new):
@@ -271,6 +271,15 @@ class AsyncEngine:
             self.metrics.observe("vllm:e2e_request_latency_seconds", now - p.arrival)
             reason = out.outputs[0].finish_reason if out.outputs else None
             self.metrics.inc("vllm:request_success_total", 1.0, str(reason or "stop"))
+
+    @staticmethod
+    def _queue_time(p: _Pending, out) -> float:
+        """Server queue (dynamic batching, max_batch_size) + engine queue (until first scheduled)."""
+        m = getattr(out, "metrics", None)
+        engine_wait = 0.0
+        if m is not None and getattr(m, "first_scheduled_time", None) is not None:
+            engine_wait = max(0.0, m.first_scheduled_time - m.arrival_time)
+        return (p.admitted - p.arrival) + engine_wait
 
     def _send(self, p: _Pending, item) -> None:
         if getattr(item, "finished", False) or isinstance(item, BaseException):
