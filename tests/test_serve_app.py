@@ -234,7 +234,7 @@ def test_dynamic_batching_gathers_preferred_batch(server):
     assert time.monotonic() - t0 < 15  # ...and did not sit out the whole timeout once it was full
 
 
-@pytest.mark.parametrize("server", [{"engine": {"step_sleep": 0.02}}], indirect=True)
+@pytest.mark.parametrize("server", [{"engine": {"step_sleep": 0.05}}], indirect=True)
 def test_stream_disconnect_aborts(server):
     engine, url = server
     with httpx.stream("POST", url + "/v1/completions",

@@ -210,9 +210,16 @@ def _kv_stats(engine):
     return {k: v for k, v in s.items() if "block" in k or "kv" in k}
 
 
+def _aborted_count(live) -> float:
+    for line in httpx.get(live["url"] + "/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_stream_disconnect_aborts_and_frees_kv(live):
     engine = live["engine"]
-    before = _kv_stats(engine)
+    before, aborted = _kv_stats(engine), _aborted_count(live)
     h = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", live["url"] + "/v1/completions", headers=h, json={
             "model": "tiny", "prompt": "a long story " * 10, "max_tokens": 200, "stream": True,
@@ -224,6 +231,7 @@ def test_stream_disconnect_aborts_and_frees_kv(live):
         time.sleep(0.05)
     assert not engine.has_unfinished_requests()
     assert _kv_stats(engine) == before
+    assert _aborted_count(live) == aborted + 1  # it was aborted, not run to its 200 tokens
 
 
 def _new_experts(cfg, seed):
