@@ -277,3 +277,22 @@ def test_tiny_model_consumes_infill_batches_without_leaks(corpus):
     part_a = (blk == 0) & (seg == seg[j])
     assert torch.allclose(a[part_a], b[part_a], atol=1e-5)
     assert not torch.allclose(a[j], b[j])
+
+
+def test_long_documents_stage(corpus):
+    """Seed D3 'long documents last': a stage with min_doc_tokens only starts long documents."""
+    path, docs = corpus
+    where = locate(docs)
+    cfg = DataLoaderConfig(train_path=str(path), batch_size=4, stages=[
+        StageConfig(until_step=2, seq_len=32), StageConfig(seq_len=64, min_doc_tokens=60)])
+    loader = PackedLoader(cfg, rank=0, world_size=2)
+    early = [loader.next_batch() for _ in range(2)]
+    in_progress = {int(s._order[s.pos]) for s in loader.streams.values() if s.offset > 0}  # may finish
+    late = [loader.next_batch() for _ in range(6)]
+    doc_ids = lambda batch: {where[t][0] for t in batch["input_ids"].flatten().tolist() if t in where}  # noqa: E731
+    assert min(len(docs[d]) for b in early for d in doc_ids(b)) < 60
+    started_late = set().union(*(doc_ids(b) for b in late)) - in_progress
+    assert started_late and min(len(docs[d]) for d in started_late) >= 60
+    with pytest.raises(ValueError, match="no document"):
+        PackedLoader(DataLoaderConfig(train_path=str(path), stages=[StageConfig(min_doc_tokens=10**6)]),
+                     rank=0, world_size=1).next_batch()

@@ -8,7 +8,7 @@ row packing and the batch dicts of docs/CONTRACTS.md:
 Labels are already aligned: `labels[b, t]` is the target of `logits[b, t]` (do not shift again).
 
 Mixing (seed D3): each row is filled from one group (domain, lang or source), drawn with the current
-stage's weights; a stage also sets the sequence length. Every rank walks a disjoint slice of each
+stage's weights; a stage also sets the sequence length and may admit only long documents. Every rank walks a disjoint slice of each
 group's per-epoch permutation, and each row's randomness is a pure function of (seed, rank, row), so
 `state_dict()` (step, row counter, stream cursors) resumes the exact batch sequence.
 """
@@ -38,6 +38,8 @@ class StageConfig:
     """Row length in tokens during this stage."""
     weights: dict[str, float] = field(default_factory=dict)
     """Group (see `mix_by`) -> sampling weight; {} = proportional to each group's tokens."""
+    min_doc_tokens: int = 0
+    """Only start documents at least this long during the stage (seed D3: long documents last)."""
 
 
 @dataclass(kw_only=True)
@@ -77,6 +79,8 @@ class DataLoaderConfig:
                 raise ValueError(f"stages[{i}].until_step must be > 0 (only the last stage may be 0)")
             if i and 0 < st.until_step <= self.stages[i - 1].until_step:
                 raise ValueError(f"stages[{i}].until_step must increase")
+            if st.min_doc_tokens < 0:
+                raise ValueError(f"stages[{i}].min_doc_tokens must be >= 0")
 
     def stage_at(self, step: int) -> StageConfig:
         """The stage that applies at `step` (the last one once every until_step is passed)."""
@@ -119,6 +123,14 @@ class DocStream:
                 self._order = self._epoch_order()
         else:
             self.offset += n
+
+    def skip_shorter(self, min_tokens: int) -> None:
+        """Skip (consume) documents shorter than `min_tokens`; a document already started is kept."""
+        for _ in range(len(self._order) + 1):
+            if self.offset > 0 or self.shards.doc_len[self._order[self.pos]] >= min_tokens:
+                return
+            self.advance(1, 1)
+        raise ValueError(f"no document of >= {min_tokens} tokens in this rank's share of a group")
 
     def state(self) -> list[int]:
         return [self.epoch, self.pos, self.offset]
@@ -235,21 +247,23 @@ class PackedLoader:
             raise ValueError("objective 'glm' needs the shards' [MASK]/<sop>/<eop> ids (special_tokens in meta)")
         stage = self.cfg.stage_at(self.step)
         probs = self._probs(stage)
-        rows = [self._build_row(stage.seq_len, probs, objective) for _ in range(self.cfg.batch_size)]
+        rows = [self._build_row(stage, probs, objective) for _ in range(self.cfg.batch_size)]
         if not self.manual_step:
             self.step += 1
         with_mask = objective == "glm" or (objective is None and self.cfg.infill_ratio > 0)
         return collate(rows, with_mask=with_mask)
 
-    def _build_row(self, T: int, probs: np.ndarray, objective: str | None) -> Row:
+    def _build_row(self, stage: StageConfig, probs: np.ndarray, objective: str | None) -> Row:
         rng = np.random.default_rng([self.cfg.seed, self.rank, self.rows, 7])
         self.rows += 1
         stream = self.streams[self.group_names[int(rng.choice(len(probs), p=probs))]]
-        row = Row(T, self.pad_id)
+        row = Row(stage.seq_len, self.pad_id)
         draw = rng.random()  # drawn even when the objective is forced, so row streams stay aligned
         infill = objective == "glm" or (objective is None and self.infill_ids is not None
                                         and draw < self.cfg.infill_ratio)
         while row.room >= 2:
+            if stage.min_doc_tokens > 0:
+                stream.skip_shorter(stage.min_doc_tokens)
             if infill and row.room >= self.cfg.infill.min_tokens + 2:
                 self._add_infill(row, stream, rng)
             else:
@@ -284,8 +298,8 @@ class PackedLoader:
         stream.advance(n, len(rest))
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "rows": self.rows, "manual_step": self.manual_step, "rank": self.rank, "world_size": self.world,
-                "seed": self.cfg.seed, "mix_by": self.cfg.mix_by,
+        return {"step": self.step, "rows": self.rows, "manual_step": self.manual_step, "rank": self.rank,
+                "world_size": self.world, "seed": self.cfg.seed, "mix_by": self.cfg.mix_by,
                 "streams": {g: s.state() for g, s in self.streams.items()}}
 
     def load_state_dict(self, state: dict) -> None:
