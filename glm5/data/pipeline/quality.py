@@ -43,7 +43,7 @@ def features(text: str, cfg: QualityConfig) -> tuple[np.ndarray, np.ndarray]:
     symbols = sum(not (c.isalnum() or c.isspace()) for c in head) / max(len(head), 1)
     line_len = len(head) / max(head.count("\n") + 1, 1)
     shape = [f"__distinct{int(distinct * 10)}", f"__symbols{min(int(symbols * 20), 19)}",
-             f"__linelen{min(int(line_len).bit_length(), 12)}", f"__len{min(len(ws).bit_length(), 16)}"]
+             f"__linelen{min(int(line_len).bit_length(), 12)}"]
     ids = [zlib.crc32(g.encode("utf-8")) % cfg.num_buckets for g in grams + shape]
     weights = [1.0 / len(grams)] * len(grams) + [1.0] * len(shape)
     return np.array(ids, dtype=np.int64), np.array(weights, dtype=np.float32)

@@ -42,6 +42,7 @@ def run(cfg: DataConfig) -> dict:
     out = Path(cfg.run.output_dir)
     work = out / "work"
     _check_config(cfg, out)
+    _remove_stale_temps(out)
     walls: dict[str, float] = {}
     t = time.perf_counter()
     manifest = make_input_shards(cfg.input.paths, cfg.input.text_key, cfg.run.shard_docs, work / "shards",
@@ -67,6 +68,15 @@ def run(cfg: DataConfig) -> dict:
     stats = aggregate(out, num_shards, manifest["num_docs"], walls)
     atomic_write_json(out / "stats.json", stats)
     return stats
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Delete `.tmp-*` leftovers of a killed run (atomic writers never rename them into place)."""
+    for p in sorted(out.rglob(".tmp-*"), reverse=True):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def _fingerprint(cfg: DataConfig) -> dict:
