@@ -131,7 +131,7 @@ async def _until_disconnect(request: Request, coro):
             raise APIError(499, "client disconnected", code="client_closed_request")
 
 
-def _json_response(body: dict, request: Request) -> JSONResponse:
+def _json_response(body: dict) -> JSONResponse:
     version = body.pop("_model_version", None)
     headers = {"X-Model-Version": str(version)} if version is not None else None
     return JSONResponse(body, headers=headers)
@@ -209,14 +209,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         rid = f"cmpl-{uuid.uuid4().hex}"
         result = await _until_disconnect(request, create_completion(state, body, rid)) \
             if not body.stream else await create_completion(state, body, rid)
-        return result if isinstance(result, Response) else _json_response(result, request)
+        return result if isinstance(result, Response) else _json_response(result)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         result = await _until_disconnect(request, create_chat_completion(state, body, rid)) \
             if not body.stream else await create_chat_completion(state, body, rid)
-        return result if isinstance(result, Response) else _json_response(result, request)
+        return result if isinstance(result, Response) else _json_response(result)
 
     _install_info_routes(app, state)
     _install_admin_routes(app, state)
