@@ -53,23 +53,29 @@ def layerwise_threshold(norm: torch.Tensor, base: float) -> torch.Tensor:
     return base * (1.0 + 0.1 * torch.log(norm))
 
 
+def _scale(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+
+
 @torch.no_grad()
-def clip_layerwise(groups: dict[str, list[nn.Parameter]], base: float) -> dict[str, float]:
+def clip_layerwise(groups: dict[str, list[nn.Parameter]], base: float, norm_fn=_norm,
+                   scale_fn=_scale) -> dict[str, float]:
     """Seed T3 per layer: grad *= min(1, threshold / norm), threshold = base * (1 + 0.1 * ln(norm)).
 
     The threshold is <= 0 only when norm <= e^-10, where the formula would flip the gradient's sign;
-    such tiny gradients are left alone. Returns each layer's pre-clip norm.
+    such tiny gradients are left alone. Returns each layer's pre-clip norm. `norm_fn`/`scale_fn` let
+    sharded (DTensor) gradients use their distributed versions (glm5/train/parallel.py).
     """
     norms = {}
     for key, params in groups.items():
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             continue
-        norm = _norm(grads)
+        norm = norm_fn(grads).float().cpu()
         threshold = layerwise_threshold(norm, base)
         scale = torch.where((norm > 0) & (threshold > 0), (threshold / norm).clamp(max=1.0),
                             torch.ones_like(norm))
-        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        scale_fn(grads, scale)
         norms[key] = float(norm)
     return norms
 

@@ -22,6 +22,7 @@ import torch
 
 from glm5.core import dist
 from glm5.core.config import to_dict
+from glm5.core.io import atomic_dir
 from glm5.core.log import MetricsWriter
 from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import from_pretrained, save_pretrained
@@ -78,7 +79,8 @@ class Trainer:
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
         self.model = model if model is not None else build_model(cfg, self.device)
         self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
-        if dist.world_size() > 1:
+        self.distributed = dist.world_size() > 1
+        if self.distributed:
             if parallelize_fn is None:
                 from .parallel import parallelize as parallelize_fn  # built by the distributed task
             self.model = parallelize_fn(self.model, cfg)
@@ -116,7 +118,11 @@ class Trainer:
         return {"guard": self.guard.state_dict(), "data": self.data.state_dict(), "unigram": self.unigram}
 
     def _load(self, path: Path) -> None:
-        state = load_checkpoint(path, self.raw_model, self.optimizer)
+        if self.distributed:
+            from .parallel_ckpt import load_train_checkpoint
+            state = load_train_checkpoint(path, self.model, self.optimizer)
+        else:
+            state = load_checkpoint(path, self.raw_model, self.optimizer)
         self.step = int(state["step"])
         self.guard.load_state_dict(state["guard"])
         self.data.load_state_dict(state["data"])
@@ -124,6 +130,10 @@ class Trainer:
         dist.print0(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path | None:
+        if self.distributed:  # DCP: every rank writes its shards; reloadable at another world size
+            from .parallel_ckpt import save_train_checkpoint
+            return save_train_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer,
+                                         self.trainer_state(), to_dict(self.cfg), self.cfg.checkpoint.keep_last)
         path = None
         if dist.is_main():
             path = save_checkpoint(self.ckpt_root, self.step, self.raw_model, self.optimizer,
@@ -159,14 +169,31 @@ class Trainer:
 
     def train_step(self) -> dict:
         """Forward/backward over the step's micro-batches, then guard, clip, update. Returns metrics."""
-        cfg = self.cfg
         lr = self._set_lr()
-        micro = self._fetch()
+        metrics = {"lr": lr, **self._forward_backward(self._fetch())}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = self._grad_norm(params)
+        metrics["grad_norm"] = float(norm)
+        if not self.guard.check(self.raw_model, metrics["loss"], float(norm), self.step):
+            metrics["skipped"] = True
+            self.step += 1
+            return metrics
+        self._clip(params, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loads = self.tracker.reduce()
+        update_expert_bias(self.gates, loads, self.cfg.balance.bias_update_rate)
+        metrics.update(load_metrics(loads))
+        self.step += 1
+        return metrics
+
+    def _forward_backward(self, micro: list[tuple[str, dict]]) -> dict:
+        """Accumulate gradients over the micro-batches; losses normalised by the step's token count."""
+        cfg = self.cfg
         n_tok = sum(int((b["labels"] != IGNORE).sum()) for _, b in micro)
         n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm") \
             if self.uses_mtp else 0
-        sums = {"lm": 0.0, "mtp": 0.0}
-        balance: dict[str, float] = {}
+        lm_sum, mtp_sum, extra = 0.0, 0.0, {}
         self.tracker.reset()
         for objective, batch in micro:
             with self._autocast():
@@ -174,36 +201,47 @@ class Trainer:
                                     cfg.dsa.indexer_loss_coef, self.capture)
                 loss = micro_loss(res, n_tok, n_mtp, cfg.train.mtp_weight, len(micro))
             loss.backward()
-            sums["lm"] += float(res.lm_sum.detach())
-            sums["mtp"] += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
+            lm_sum += float(res.lm_sum.detach())
+            mtp_sum += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
             for k, v in res.balance.items():
-                balance[k] = balance.get(k, 0.0) + float(v.detach()) / len(micro)
+                extra[k] = extra.get(k, 0.0) + float(v.detach()) / len(micro)
             self.tracker.add(res.router_stats)
             labels = batch["labels"][batch["labels"] != IGNORE]
             self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
-        lm_loss = sums["lm"] / max(1, n_tok)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = grad_norm(params)
-        metrics = {"loss": lm_loss, "lr": lr, "grad_norm": float(norm), "tokens": n_tok,
+        # the logged loss is the global token mean (the same on every rank, so the guard agrees)
+        metrics = {"loss": self._sum(lm_sum) / max(1, self._sum(n_tok)), "tokens": int(self._sum(n_tok)),
                    "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
         if n_mtp:
-            metrics["mtp_loss"] = sums["mtp"] / n_mtp
-        metrics.update(balance)
-        if not self.guard.check(self.raw_model, lm_loss, float(norm), self.step):
-            metrics["skipped"] = True
-            self.step += 1
-            return metrics
-        if cfg.stability.clip in ("layerwise", "both"):
-            self.layer_norms = clip_layerwise(self.layer_groups, cfg.stability.layerwise_base)
-        if cfg.stability.clip in ("global", "both"):
-            clip_global(params, cfg.stability.max_grad_norm, grad_norm(params))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loads = self.tracker.reduce()
-        update_expert_bias(self.gates, loads, cfg.balance.bias_update_rate)
-        metrics.update(load_metrics(loads))
-        self.step += 1
-        return metrics
+            metrics["mtp_loss"] = self._sum(mtp_sum) / self._sum(n_mtp)
+        return {**metrics, **extra}
+
+    def _sum(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        from .parallel import sum_over_ranks
+        return sum_over_ranks(value)
+
+    def _grad_norm(self, params) -> torch.Tensor:
+        if self.distributed:  # sharded (DTensor) gradients on several meshes
+            from .parallel import grad_norm as dist_grad_norm
+            return dist_grad_norm(params)
+        return grad_norm(params)
+
+    def _clip(self, params, norm: torch.Tensor) -> None:
+        stab = self.cfg.stability
+        if stab.clip in ("layerwise", "both"):
+            if self.distributed:
+                from .parallel import scale_, total_norm
+                self.layer_norms = clip_layerwise(self.layer_groups, stab.layerwise_base, total_norm, scale_)
+            else:
+                self.layer_norms = clip_layerwise(self.layer_groups, stab.layerwise_base)
+            norm = self._grad_norm(params)
+        if stab.clip in ("global", "both"):
+            if self.distributed:
+                from .parallel import clip_grad_norm_
+                clip_grad_norm_(params, stab.max_grad_norm)
+            else:
+                clip_global(params, stab.max_grad_norm, norm)
 
     def indexer_warmup(self, writer) -> None:
         """DSA stage 1 (before step 0): `dsa.indexer_warmup_steps` steps training only the indexers by
@@ -265,7 +303,7 @@ class Trainer:
         deadline = time.monotonic() + 60 * cfg.train.time_limit_min if cfg.train.time_limit_min else None
         try:
             while self.step < cfg.train.steps:
-                if deadline is not None and time.monotonic() > deadline:
+                if deadline is not None and self._sum(float(time.monotonic() > deadline)) > 0:
                     dist.print0(f"train.time_limit_min={cfg.train.time_limit_min} reached at step {self.step}")
                     break
                 t0 = time.perf_counter()
@@ -309,10 +347,13 @@ class Trainer:
 
     def save_final(self) -> Path | None:
         """`RUN_DIR/final`: the model in HF layout plus the tokenizer files (for `glm5 generate`)."""
-        if not dist.is_main():
-            return None
-        from glm5.core.io import atomic_dir
         final = self.run_dir / "final"
+        if self.distributed:
+            from .parallel_ckpt import export_hf
+            export_hf(self.model, final)  # collective; rank 0 writes
+            if dist.is_main():
+                self.data.save_tokenizer(final)
+            return final
         with atomic_dir(final) as tmp:
             save_pretrained(self.raw_model, tmp)
             self.data.save_tokenizer(tmp)
