@@ -160,6 +160,8 @@ class AsyncEngine:
             self._send(self._active.pop(rid), EngineDead("the server shut down"))
         while self._backlog:
             self._send(self._backlog.popleft(), EngineDead("the server shut down"))
+        while self._swaps:
+            self._swaps.popleft()[1].set_exception(EngineDead("the server shut down before the swap ran"))
 
     def _batch_wait(self) -> float | None:
         """Seconds to keep gathering before the first step from idle (None: go now)."""
