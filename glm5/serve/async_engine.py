@@ -136,6 +136,8 @@ class AsyncEngine:
             for p in [*self._active.values(), *self._backlog]:
                 self._send(p, EngineDead(f"engine error: {type(e).__name__}: {e}"))
             self._drain_commands(block=False, fail=e)
+            while self._swaps:
+                self._swaps.popleft()[1].set_exception(EngineDead(f"engine error: {e}"))
             raise
 
     def _loop(self) -> None:
