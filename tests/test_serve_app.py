@@ -34,12 +34,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 class FakeEngine:
     """Emits a fixed token script (one token per step per sample) with the LLMEngine interface."""
 
-    def __init__(self, script=SCRIPT, step_sleep=0.0, **cfg):
+    def __init__(self, script=SCRIPT, step_sleep=0.0, fail_step=False, **cfg):
         self.tokenizer, self.script = TOK, TOK.encode(script)
         self.config = EngineConfig(model="fake", device="cpu", dtype="float32",
                                    **{"max_model_len": 512, "batch_timeout_ms": 0, **cfg})
         self.model_config = tiny_config()
-        self.model_version, self.step_sleep = 0, step_sleep
+        self.model_version, self.step_sleep, self.fail_step = 0, step_sleep, fail_step
         self.reqs, self.aborted, self.batch_sizes, self.swaps = {}, [], [], []
 
     def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None):
@@ -62,6 +62,8 @@ class FakeEngine:
 
     def step(self):
         time.sleep(self.step_sleep)
+        if self.fail_step:
+            raise RuntimeError("simulated device error")
         self.batch_sizes.append(len(self.reqs))
         outs = []
         for rid, (prompt, params, samples) in list(self.reqs.items()):
@@ -256,6 +258,15 @@ def test_nonstream_disconnect_aborts(server):
     while not engine.aborted and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(engine.aborted) == 1 and not engine.reqs
+
+
+@pytest.mark.parametrize("server", [{"engine": {"fail_step": True}}], indirect=True)
+def test_engine_failure_is_503_not_a_hang(server):
+    _, url = server
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert httpx.get(url + "/health").status_code == 503
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 503
 
 
 def test_graceful_shutdown_drains_then_aborts():

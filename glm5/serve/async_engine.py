@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from glm5.serve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -138,7 +141,7 @@ class AsyncEngine:
             self._drain_commands(block=False, fail=e)
             while self._swaps:
                 self._swaps.popleft()[1].set_exception(EngineDead(f"engine error: {e}"))
-            raise
+            log.exception("engine loop stopped; the server now answers 503")
 
     def _loop(self) -> None:
         deadline = None  # shutdown drain deadline
