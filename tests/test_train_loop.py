@@ -103,3 +103,12 @@ def test_checkpoint_rotation_and_final_model(tmp_path):
     ids = torch.randint(0, 96, (1, 8))
     t.raw_model.eval()
     torch.testing.assert_close(loaded(ids).logits, t.raw_model(ids).logits)
+
+
+def test_time_budget_drives_the_schedule(tmp_path):
+    import time
+    t = make(tmp_path, steps=10, schedule={"name": "linear", "warmup_steps": 0, "min_lr_ratio": 0.0})
+    t.time_budget = (time.monotonic() - 50.0, 100.0)  # half the wall-time budget already spent
+    assert t._set_lr() == pytest.approx(3e-3 * (1 - 5 / 9), rel=0.05)
+    t.time_budget = None
+    assert t._set_lr() == pytest.approx(3e-3)

@@ -85,7 +85,8 @@ class TrainSection:
     mtp_weight: float = 0.3
     """Weight of the multi-token-prediction loss (0 = do not run the MTP layer)."""
     time_limit_min: float = 0.0
-    """Stop (then validate and save) once training has run this many minutes (0 = no limit)."""
+    """Wall-time budget of the training loop in minutes (0 = none): the LR schedule follows whichever
+    of steps or time is further along, and training stops (then validates and saves) at the limit."""
     num_threads: int = 0
     """CPU threads for torch; 0 = auto: 1 when the machine is already busy (load >= cores, where
     OpenMP threads stall each other), else torch's default."""

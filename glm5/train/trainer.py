@@ -103,6 +103,7 @@ class Trainer:
         self.active_params = perf.active_params(self.raw_model, include_mtp=self.uses_mtp)
         self.peak_flops = 0.0
         self.history: list[dict] = []
+        self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
         resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
         if resume is not None:
             self._load(resume)
@@ -144,7 +145,14 @@ class Trainer:
 
     # --- one optimizer step -------------------------------------------------------------------------
     def _set_lr(self) -> float:
-        factor = lr_factor(self.step, self.cfg.schedule, self.cfg.train.steps) * self.guard.lr_scale
+        """base_lr x schedule x guard scale. With `train.time_limit_min`, the schedule runs on whichever
+        budget is further along, steps or wall time, so a run cut by time still ends annealed."""
+        step, total = self.step, self.cfg.train.steps
+        if self.time_budget is not None:
+            start, limit = self.time_budget
+            frac = self._sum((time.monotonic() - start) / limit) / dist.world_size()  # same on every rank
+            step = max(step, min(total - 1, int(frac * total)))
+        factor = lr_factor(step, self.cfg.schedule, total) * self.guard.lr_scale
         for g in self.optimizer.param_groups:
             g["lr"] = g["base_lr"] * factor
         return self.optimizer.param_groups[0]["lr"]
@@ -300,7 +308,10 @@ class Trainer:
             self.indexer_warmup(writer)
         bar = _progress(cfg.log.progress and dist.is_main(), self.step, cfg.train.steps)
         last_saved, summary = self.step, {}
-        deadline = time.monotonic() + 60 * cfg.train.time_limit_min if cfg.train.time_limit_min else None
+        deadline = None
+        if cfg.train.time_limit_min:
+            self.time_budget = (time.monotonic(), 60 * cfg.train.time_limit_min)
+            deadline = sum(self.time_budget)
         try:
             while self.step < cfg.train.steps:
                 if deadline is not None and self._sum(float(time.monotonic() > deadline)) > 0:
