@@ -27,7 +27,7 @@ from glm5.model.moe import MoE
 from tests._tiny import tiny_config
 
 WORLD, STEPS, B, T, LR = 2, 3, 4, 16, 1e-2
-CFG = dict(num_hidden_layers=2)  # layer 0 dense, layer 1 MoE (8 experts, top-2)
+CFG = dict(num_hidden_layers=2, num_nextn_predict_layers=1)  # dense, MoE (8 experts, top-2), MTP (MoE)
 
 
 # --- shared by workers and references -----------------------------------------------------------------
@@ -43,8 +43,11 @@ def global_batches():
 
 
 def loss_fn(model, ids):
-    logits = model(ids[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    """Next-token loss + 0.3 x MTP loss (position t predicts token t+2; MTP runs through forward_mtp)."""
+    out = model(ids[:, :-1], return_mtp=True)
+    lm = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten())
+    mtp = F.cross_entropy(out.mtp_logits[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
+    return lm + 0.3 * mtp
 
 
 def ref_clip(params, max_norm):
@@ -83,16 +86,34 @@ def make_moe(cfg):
 
 
 # --- worker -------------------------------------------------------------------------------------------
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, scenarios: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from glm5.core.dist import init_from_env
     init_from_env("gloo")
     try:
-        _scenarios(rank, Path(out))
+        globals()[scenarios](rank, Path(out))
     finally:
         dist.destroy_process_group()
+
+
+def _spawn(world: int, out: Path, scenarios: str) -> dict:
+    mp.spawn(_worker, args=(world, _free_port(), str(out), scenarios), nprocs=world, join=True)
+    return json.loads((out / "results.json").read_text())
+
+
+def _scenarios_dp2_ep2(rank: int, out: Path) -> None:
+    """World 4 = dp 2 x ep 2: experts sharded over ep and FSDP-sharded over dp (2-D DTensors)."""
+    from glm5.train import parallel, parallel_ckpt
+    batches = [b.chunk(4)[rank] for b in global_batches()]
+    model = parallel.apply_parallel(make_model(), ep=2)
+    assert model.parallel_plan.dp == 2 and model.parallel_plan.ep == 2
+    losses, opt = train(model, batches, parallel.clip_grad_norm_)
+    res = {"ep": [parallel.mean_over_ranks(v) for v in losses]}
+    parallel_ckpt.save_dcp(out / "dcp_ws4", model, opt)
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(res))
 
 
 def _scenarios(rank: int, out: Path) -> None:
@@ -145,8 +166,7 @@ def run(tmp_path_factory):
     model = make_model()
     _, opt = train(model, global_batches()[-1:])
     save_dcp(out / "dcp_ws1", model, opt)
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return out, json.loads((out / "results.json").read_text())
+    return out, _spawn(WORLD, out, "_scenarios")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +217,8 @@ def test_dcp_saved_at_world_2_loads_at_world_1(run, reference):
     assert set(sd) == set(hf_sd)
     for k in sd:
         torch.testing.assert_close(sd[k], hf_sd[k], atol=0, rtol=0)  # DCP and HF export agree exactly
-        torch.testing.assert_close(sd[k], ref_sd[k], atol=1e-5, rtol=1e-4)  # and match the 1-process run
+        # and match the 1-process run (Adam turns 1e-7 gradient noise on near-zero moments into ~1e-5)
+        torch.testing.assert_close(sd[k], ref_sd[k], atol=1e-4, rtol=1e-3)
     name = "model.layers.1.mlp.experts.gate_up_proj"
     p, ref_p = dict(model.named_parameters())[name], dict(ref_model.named_parameters())[name]
     for key in ("exp_avg", "exp_avg_sq", "step"):  # the optimizer state came back too
@@ -215,3 +236,18 @@ def test_dcp_saved_at_world_1_loads_at_world_2(run):
         torch.testing.assert_close(hf[k], v, atol=0, rtol=0)
     ref, _ = train(model, global_batches()[:1], start_optimizer=opt)
     assert abs(res["resumed"][0] - ref[0]) < 1e-5  # the resumed optimizer state behaves identically
+
+
+@pytest.mark.slow
+def test_dp2_x_ep2_on_4_processes(tmp_path, reference):
+    """Experts split over ep=2 and FSDP-sharded over dp=2: the gradient divide factor and the 2-D
+    expert layout give the single-process losses, and the checkpoint loads at world size 1."""
+    from glm5.train.parallel_ckpt import load_dcp
+    res = _spawn(4, tmp_path, "_scenarios_dp2_ep2")
+    ref_model, _, ref = reference
+    assert max(abs(a - b) for a, b in zip(res["ep"], ref)) < 1e-5, (res["ep"], ref)
+    model = make_model()
+    load_dcp(tmp_path / "dcp_ws4", model, torch.optim.AdamW(model.parameters(), lr=LR))
+    ref_sd = ref_model.state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, ref_sd[k], atol=1e-4, rtol=1e-3)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from glm5.core import dist as gdist
@@ -73,8 +73,14 @@ def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto") -> nn.Mod
     for ex in experts:  # experts first, so the layer units below leave them to their own FSDP unit
         fully_shard(ex, mesh=mesh["dp"], mp_policy=mp)
         ex.set_gradient_divide_factor(float(mesh.size()))
+        if mesh["dp"].size() > 1:
+            # SUM then divide (gloo has no PREMUL_SUM reduce-scatter). Not on a 1-rank dp group: there
+            # torch 2.13's FSDP skips the collective, divides itself and would divide twice.
+            ex.set_force_sum_reduction_for_comms(True)
     for layer in model.model.layers:
         fully_shard(layer, mesh=world_mesh, mp_policy=mp)
+        if hasattr(layer, "forward_mtp"):  # MTP layers are entered through forward_mtp, not __call__
+            register_fsdp_forward_method(layer, "forward_mtp")
     fully_shard(model, mesh=world_mesh, mp_policy=mp)
     model.parallel_plan = ParallelPlan(mesh, mesh.size() // ep, ep, mp.param_dtype is not None)
     return model
@@ -135,14 +141,19 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def mean_over_ranks(value: float) -> float:
-    """A per-rank scalar (e.g. the local loss) averaged over all ranks; unchanged without a group."""
+def sum_over_ranks(value: float) -> float:
+    """A per-rank scalar (a loss sum, a token count) summed over all ranks; unchanged without a group."""
     if not gdist.is_dist():
         return value
-    t = torch.tensor([value], dtype=torch.float64,
+    t = torch.tensor([float(value)], dtype=torch.float64,
                      device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return float(t)
+
+
+def mean_over_ranks(value: float) -> float:
+    """A per-rank scalar (e.g. the local loss) averaged over all ranks; unchanged without a group."""
+    return sum_over_ranks(value) / gdist.world_size() if gdist.is_dist() else value
 
 
 def expert_modules(model: nn.Module) -> list[EPExperts]:

@@ -1,7 +1,13 @@
 """Distributed checkpoints with `torch.distributed.checkpoint` (DCP), and export to the HF layout.
 
 Owns: `save_dcp(path, model, optimizer)` / `load_dcp(path, model, optimizer)` for model + optimizer
-state, and `gather_model(model)` / `export_hf(model, path)` for a plain HF directory.
+state, `gather_model(model)` / `export_hf(model, path)` for a plain HF directory, and the trainer's
+distributed checkpoint directory (`save_train_checkpoint` / `load_train_checkpoint`):
+  step_00000100/dcp/                 model + optimizer (DCP; any world size can load it)
+  step_00000100/model/               HF export of the full model (optional)
+  step_00000100/state.{json,safetensors}          rank 0's trainer state (step, data, guard, RNG)
+  step_00000100/state_rank<r>.{json,safetensors}  the other ranks' (data position and RNG differ)
+  step_00000100/train_config.json
 
 DCP stores every tensor under its fully qualified name with its global shape; each rank writes the
 shards it owns and reads back whatever slices its *current* layout needs. So a checkpoint written by
@@ -16,6 +22,7 @@ Note that DCP's `.metadata` file is a pickle (torch's format); load only checkpo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -29,9 +36,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from glm5.core import dist as gdist
+from glm5.core.io import atomic_write_text
 from glm5.model.hf_adapter import save_pretrained
 from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
+
+from .checkpoint import load_state, rng_state, save_state, set_rng_state, step_dirs
 
 
 def _barrier() -> None:
@@ -113,3 +123,58 @@ def export_hf(model: nn.Module, path: str | Path) -> Path | None:
         save_pretrained(plain, path)
     _barrier()
     return Path(path) if plain is not None else None
+
+
+# --- the trainer's checkpoint directory ----------------------------------------------------------------
+def _state_name(rank: int) -> str:
+    return "state" if rank == 0 else f"state_rank{rank}"
+
+
+def save_train_checkpoint(ckpt_root: str | Path, step: int, model: nn.Module, optimizer, trainer_state: dict,
+                          config: dict, keep_last: int = 3, hf: bool = True) -> Path:
+    """Collective: write `ckpt_root/step_<step>` (layout in the module docstring) atomically, then keep
+    only the newest `keep_last` step directories. `trainer_state` is this rank's."""
+    ckpt_root = Path(ckpt_root)
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp-{final.name}"
+    if gdist.is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    save_dcp(tmp / "dcp", model, optimizer)
+    if hf:
+        export_hf(model, tmp / "model")
+    save_state({"step": step, **trainer_state, "rng": rng_state()}, tmp, _state_name(gdist.rank()))
+    if gdist.is_main():
+        atomic_write_text(tmp / "train_config.json", json.dumps(config, indent=2) + "\n")
+    _barrier()
+    if gdist.is_main():
+        os.sync()  # every rank's files are on disk before the rename makes the checkpoint visible
+        old = final.with_name(f".old-{final.name}")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        for stale in step_dirs(ckpt_root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def is_train_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "dcp" / ".metadata").is_file()
+
+
+def load_train_checkpoint(path: str | Path, model: nn.Module, optimizer) -> dict:
+    """Collective: load model + optimizer (resharded to the current world size), restore this rank's RNG
+    and return its trainer state. A rank the saving run did not have (the world grew) gets rank 0's
+    state: step, guard and RNG carry over, but its data position is rank 0's, so the data order of a
+    run resumed at another world size is not the uninterrupted run's."""
+    path = Path(path)
+    load_dcp(path / "dcp", model, optimizer)
+    name = _state_name(gdist.rank())
+    if not (path / f"{name}.json").is_file():
+        name = "state"
+    state = load_state(path, name)
+    set_rng_state(state.pop("rng"))
+    return state
