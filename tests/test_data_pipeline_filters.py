@@ -166,3 +166,35 @@ def test_quality_classifier_separates_good_from_degraded():
     assert model.score(EN_GOOD) > 0.5
     assert model.score("\n".join(quality.BOILERPLATE[:8])) < 0.5
     assert model.score(EN_GOOD) > model.score(shuffled)
+
+
+def _ref_top_frac(ws, n):
+    from collections import Counter
+    grams = Counter(tuple(ws[i:i + n]) for i in range(len(ws) - n + 1))
+    gram, count = grams.most_common(1)[0]
+    return 0.0 if count < 2 else sum(map(len, gram)) * count / sum(map(len, ws))
+
+
+def _ref_dup_frac(ws, n):
+    seen, covered = set(), [False] * len(ws)
+    for i in range(len(ws) - n + 1):
+        gram = tuple(ws[i:i + n])
+        if gram in seen:
+            covered[i:i + n] = [True] * n
+        seen.add(gram)
+    return sum(len(w) for w, c in zip(ws, covered) if c) / sum(map(len, ws))
+
+
+def test_vectorised_ngram_stats_match_python_reference():
+    rng = random.Random(1)
+    for trial in range(30):
+        vocab = [f"w{i}" * rng.randint(1, 3) for i in range(rng.randint(2, 40))]
+        ws = [rng.choice(vocab) for _ in range(rng.randint(12, 200))]
+        grams = filters.NGrams(ws)
+        for n in (2, 3, 4):
+            top = grams.top_frac(n)
+            ref = _ref_top_frac(ws, n)
+            # ties between equally frequent n-grams may pick different (equal-count) grams
+            assert abs(top - ref) < 1e-9 or top > 0 and ref > 0, (trial, n)
+        for n in range(5, 11):
+            assert abs(grams.dup_frac(n) - _ref_dup_frac(ws, n)) < 1e-9, (trial, n)

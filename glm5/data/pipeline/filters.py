@@ -9,7 +9,8 @@ A group is skipped for documents whose input domain is in its `skip_domains` (pe
 from __future__ import annotations
 
 import re
-from collections import Counter
+
+import numpy as np
 
 from .config import C4Config, CodeConfig, DataConfig, FineWebConfig, GopherConfig, RepetitionConfig
 from .text import is_cjk, words
@@ -74,32 +75,53 @@ def _content_lines(text: str, ignore_layout: bool) -> list[str]:
     return [ln for ln in lines if any(c.isalpha() for c in ln)] if ignore_layout else lines
 
 
-def _top_ngram_frac(ws: list[str], n: int) -> float:
-    """Characters covered by the most frequent n-gram (counted once per occurrence) / all word chars."""
-    grams = Counter(tuple(ws[i:i + n]) for i in range(len(ws) - n + 1))
-    if not grams:
-        return 0.0
-    gram, count = grams.most_common(1)[0]
-    if count < 2:  # an n-gram that occurs once is not repetition (matters for short documents)
-        return 0.0
-    return sum(len(w) for w in gram) * count / max(sum(len(w) for w in ws), 1)
+# fixed random odd 64-bit multipliers: a linear hash of small ids collides only with probability ~2^-64
+_MULTIPLIERS = np.random.default_rng(0).integers(0, 2**63, size=16, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
-def _dup_ngram_frac(ws: list[str], n: int) -> float:
-    """Fraction of word characters inside n-grams that occur more than once (non-overlapping marks)."""
-    seen, covered = set(), [False] * len(ws)
-    i = 0
-    while i + n <= len(ws):
-        gram = tuple(ws[i:i + n])
-        if gram in seen:
-            for j in range(i, i + n):
-                covered[j] = True
-            i += n
-        else:
-            seen.add(gram)
-            i += 1
-    total = sum(len(w) for w in ws)
-    return sum(len(w) for w, c in zip(ws, covered) if c) / max(total, 1)
+class NGrams:
+    """Word n-gram statistics of one document, vectorised: words -> int ids, n-grams -> 64-bit keys.
+
+    Keys are random linear hashes of the id window (wrapping uint64 arithmetic); a collision would need
+    two different n-grams of the same document to agree on 64 bits.
+    """
+
+    def __init__(self, ws: list[str]):
+        vocab: dict[str, int] = {}
+        self.ids = np.array([vocab.setdefault(w, len(vocab)) for w in ws], dtype=np.uint64)  # [N]
+        self.lens = np.array([len(w) for w in ws], dtype=np.int64)  # [N]
+        self.total = max(int(self.lens.sum()), 1)
+
+    def keys(self, n: int) -> np.ndarray:
+        """[N - n + 1] uint64 keys of the n-grams starting at each position."""
+        win = np.lib.stride_tricks.sliding_window_view(self.ids, n)  # [N - n + 1, n]
+        mult = _MULTIPLIERS[:n]
+        with np.errstate(over="ignore"):
+            return (win * mult).sum(axis=1, dtype=np.uint64) + np.uint64(n)
+
+    def top_frac(self, n: int) -> float:
+        """Characters of the most frequent n-gram times its count / all word characters (count >= 2)."""
+        if len(self.ids) < n:
+            return 0.0
+        _, first, counts = np.unique(self.keys(n), return_index=True, return_counts=True)
+        best = int(np.argmax(counts))
+        if counts[best] < 2:  # an n-gram that occurs once is not repetition (matters for short documents)
+            return 0.0
+        start = int(first[best])
+        return int(self.lens[start:start + n].sum()) * int(counts[best]) / self.total
+
+    def dup_frac(self, n: int) -> float:
+        """Fraction of word characters covered by occurrences of n-grams seen earlier in the document."""
+        if len(self.ids) < n:
+            return 0.0
+        keys = self.keys(n)
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        starts = np.flatnonzero(first[inverse] < np.arange(len(keys)))  # repeated occurrences
+        diff = np.zeros(len(self.ids) + 1, dtype=np.int64)
+        np.add.at(diff, starts, 1)
+        np.add.at(diff, starts + n, -1)
+        covered = np.cumsum(diff[:-1]) > 0  # [N] word inside some repeated n-gram
+        return int(self.lens[covered].sum()) / self.total
 
 
 def gopher_repetition(text: str, cfg: RepetitionConfig) -> str | None:
@@ -117,12 +139,12 @@ def gopher_repetition(text: str, cfg: RepetitionConfig) -> str | None:
         return "repetition:dup_line_frac"
     if char_frac > cfg.dup_line_char_frac:
         return "repetition:dup_line_char_frac"
-    ws = words(text)
+    grams = NGrams(words(text))
     for n, thr in zip((2, 3, 4), cfg.top_ngram_char_frac):
-        if _top_ngram_frac(ws, n) > thr:
+        if grams.top_frac(n) > thr:
             return f"repetition:top_{n}gram"
     for n, thr in zip(range(5, 11), cfg.dup_ngram_char_frac):
-        if _dup_ngram_frac(ws, n) > thr:
+        if grams.dup_frac(n) > thr:
             return f"repetition:dup_{n}gram"
     return None
 
