@@ -54,3 +54,11 @@ def test_glm5_train_cli_end_to_end_and_plot(tmp_path, capsys):
 def test_bad_override_is_rejected(capsys):
     assert main(["train", "--optim.lrr=1"]) == 2
     assert "optim.lrr" in capsys.readouterr().err
+
+
+def test_shipped_train_configs_load():
+    from glm5.core.config import load_config
+    from glm5.train.config import TrainConfig
+    for path in sorted((ROOT / "configs/train").glob("*.toml")):
+        cfg = load_config(TrainConfig, path)
+        assert cfg.train.steps > 0, path
