@@ -131,6 +131,15 @@ def _scenarios(rank: int, out: Path) -> None:
     save_file({"y": y.detach(), "x_grad": xs.grad, "router_grad": moe.gate.weight.grad,
                "gate_up_grad": moe.experts.gate_up_proj.grad.to_local().contiguous(),
                "down_grad": moe.experts.down_proj.grad.to_local().contiguous()}, str(out / f"moe_{rank}.st"))
+    # 1b. with a capacity limit (token dropping is decided by the sender, on its own tokens)
+    moe = make_moe(tiny_config(**CFG, moe_capacity_factor=0.5))
+    parallel_ep.convert_to_ep(moe, parallel.build_mesh(WORLD)["ep"])
+    xs.grad = None
+    y, stats = moe(xs)
+    (y * ups).sum().backward()
+    save_file({"y": y.detach(), "x_grad": xs.grad, "dropped": torch.tensor(stats["dropped_tokens"]),
+               "gate_up_grad": moe.experts.gate_up_proj.grad.to_local().contiguous()},
+              str(out / f"moe_cap_{rank}.st"))
     # 2. FSDP2 (dp=2) and FSDP2 + EP=2 (dp=1): 3 steps on this rank's half of each global batch
     batches = [b.chunk(WORLD)[rank] for b in global_batches()]
     for name, ep in (("fsdp", 1), ("ep", WORLD)):
@@ -194,6 +203,25 @@ def test_ep_moe_layer_matches_single_process(run):
                                atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([p["down_grad"] for p in parts]), moe.experts.down_proj.grad,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_ep_moe_with_capacity_limit_matches_per_rank_moe(run):
+    """With a capacity factor each rank drops from its own tokens: the oracle is the single-process MoE
+    run on each rank's tokens separately (expert gradients summed over the ranks)."""
+    from safetensors.torch import load_file
+    out, _ = run
+    moe = make_moe(tiny_config(**CFG, moe_capacity_factor=0.5))
+    x, up = moe_inputs(moe.cfg)
+    parts = [load_file(str(out / f"moe_cap_{r}.st")) for r in range(WORLD)]
+    for r, (xr, upr) in enumerate(zip(x.chunk(WORLD), up.chunk(WORLD))):
+        xr = xr.clone().requires_grad_()
+        y, stats = moe(xr)
+        (y * upr).sum().backward()
+        assert stats["dropped_tokens"] == int(parts[r]["dropped"]) > 0
+        torch.testing.assert_close(parts[r]["y"], y.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(parts[r]["x_grad"], xr.grad, atol=1e-5, rtol=1e-5)
+    grad = torch.cat([p["gate_up_grad"] for p in parts])
+    torch.testing.assert_close(grad, moe.experts.gate_up_proj.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_fsdp_and_ep_losses_match_single_process(run, reference):
