@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from glm5.core import dist as gdist
-from glm5.core.io import atomic_write_text
+from glm5.core.io import atomic_dir, atomic_write_text
 from glm5.model.hf_adapter import save_pretrained
 from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
@@ -116,11 +116,15 @@ def gather_model(model: nn.Module) -> GLM5ForCausalLM | None:
     return plain
 
 
-def export_hf(model: nn.Module, path: str | Path) -> Path | None:
-    """Collective: write the model as a HF directory (`glm5.model.hf_adapter.save_pretrained`) from rank 0."""
+def export_hf(model: nn.Module, path: str | Path, extra=None) -> Path | None:
+    """Collective: write the model as a HF directory (`glm5.model.hf_adapter.save_pretrained`) from rank 0,
+    atomically; `extra(tmp_dir)` (rank 0) may add files first, e.g. the tokenizer."""
     plain = gather_model(model)
     if plain is not None:
-        save_pretrained(plain, path)
+        with atomic_dir(path) as tmp:
+            save_pretrained(plain, tmp)
+            if extra is not None:
+                extra(tmp)
     _barrier()
     return Path(path) if plain is not None else None
 
