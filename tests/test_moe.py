@@ -31,6 +31,18 @@ def test_grouped_equals_reference_forward_and_backward():
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_skewed_routing_takes_the_split_path_and_matches():
+    from glm5.model.moe import grouped_swiglu
+    m = _moe(n_routed_experts=8)
+    xs = torch.randn(40, 64, requires_grad=True)
+    for counts in (torch.tensor([5] * 8), torch.tensor([33, 1, 1, 1, 1, 1, 1, 1])):  # padded / split path
+        y = grouped_swiglu(xs, m.experts.gate_up_proj, m.experts.down_proj, counts)
+        e = torch.repeat_interleave(torch.arange(8), counts)
+        ref = torch.stack([m.experts.forward_reference(xs[i:i + 1], e[i:i + 1, None], torch.ones(1, 1))[0]
+                           for i in range(40)])
+        assert torch.allclose(y, ref, atol=1e-5)
+
+
 def test_router_matches_formula():
     m = _moe(n_routed_experts=8, num_experts_per_tok=2)
     x = torch.randn(5, 64)
