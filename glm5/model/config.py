@@ -96,7 +96,7 @@ class ModelConfig:
     window_routed_blocks: int = 4  # window selector: content-routed blocks per query
     window_block_size: int = 64  # window selector: block size for content routing
     block_position_embedding: bool = False  # GLM blank infilling: learned intra-span position embedding
-    max_block_positions: int = 1024
+    max_block_positions: int | None = None  # block-position table size; None = max_position_embeddings + 1
     # --- unknown / legacy keys, written back unchanged ---------------------------------------------
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,6 +111,8 @@ class ModelConfig:
             self.mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense)
         if self.layer_types is None:
             self.layer_types = ["indexed_attention"] * self.num_hidden_layers
+        if self.block_position_embedding and self.max_block_positions is None:
+            self.max_block_positions = self.max_position_embeddings + 1
         self._check_values()
 
     # ---------------------------------------------------------------------------------------------
