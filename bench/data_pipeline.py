@@ -105,14 +105,16 @@ def datatrove(docs: list[dict], truth: dict, tmp: Path) -> dict:
         ([MinhashDedupCluster(input_folder=str(d / "buckets"), output_folder=str(d / "remove"), config=mcfg)], 1),
         ([reader(), MinhashDedupFilter(input_folder=str(d / "remove")), JsonlWriter(str(d / "out"))], 1),
     ]
-    t = time.perf_counter()
+    t, stage_s = time.perf_counter(), []
     for i, (pipeline, tasks) in enumerate(stages):
+        t_stage = time.perf_counter()
         LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=str(d / f"logs{i}"),
                               start_method="fork").run()
+        stage_s.append(round(time.perf_counter() - t_stage, 2))
     total = time.perf_counter() - t
     kept = {x["id"] for p in sorted((d / "out").glob("*.jsonl.gz")) for x in read_jsonl(p)}
     r = score({x["id"] for x in docs} - kept, truth, len(docs))
-    return {**r, "total_s": round(total, 2), "version": version("datatrove")}
+    return {**r, "total_s": round(total, 2), "stage_s": stage_s, "version": version("datatrove")}
 
 
 def main() -> int:
