@@ -68,7 +68,9 @@ def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto") -> nn.Mod
     """EP (when ep > 1) then FSDP2 over the world, in place; returns the model (now an FSDP module)."""
     mesh = build_mesh(ep)
     mp = mixed_precision_policy(mesh.device_type, dtype)
-    world_mesh = mesh._flatten("world") if mesh.size() > 1 else mesh["dp"]  # 1-D view of all ranks
+    # 1-D view of all ranks for the non-expert FSDP units; `_flatten` keeps it a child of the same root
+    # mesh as "dp"/"ep" (torchtitan flattens its dp_shard x cp dimensions the same way)
+    world_mesh = mesh._flatten("world") if mesh.size() > 1 else mesh["dp"]
     experts = convert_to_ep(model, mesh["ep"]) if ep > 1 else []
     for ex in experts:  # experts first, so the layer units below leave them to their own FSDP unit
         fully_shard(ex, mesh=mesh["dp"], mp_policy=mp)
