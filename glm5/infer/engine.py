@@ -22,7 +22,7 @@ from glm5.model.model import GLM5ForCausalLM
 
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
-from .experts import apply_expert_updates, expert_stats, parse_expert_updates
+from .experts import apply_expert_updates, expert_stats, parse_expert_updates, use_inference_experts
 from .kv_cache import available_memory_bytes, bytes_per_token, num_blocks_for_budget
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, fan_out
@@ -102,6 +102,7 @@ class LLMEngine:
     # ---- construction helpers -----------------------------------------------------------------------
     def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
         c = self.config
+        use_inference_experts(model)
         if c.quantization == "int8":
             from .quant import quantize_model  # noqa: PLC0415
             quantize_model(model)

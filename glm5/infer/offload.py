@@ -24,7 +24,7 @@ from glm5.model.hf_adapter import cast_model, dequantize_fp8, load_hf_state_dict
 from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
 
-from .quant import sort_by_expert
+from .experts import expert_loop
 
 
 class ExpertCache:
@@ -96,19 +96,12 @@ class OffloadedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep=None) -> torch.Tensor:
         """x [N, H], idx/weights [N, A] -> [N, H]."""
-        order, token, counts = sort_by_expert(idx, self.n_experts, keep)
-        xs = x[token]  # [M, H]
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            gate_up, down = self.expert(e)
-            gate, up = F.linear(xs[start:start + n], gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, down))
-            start += n
-        ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        return expert_loop(x, idx, weights, keep, self.n_experts, self._ffn)
+
+    def _ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.expert(e)
+        gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
 
     def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
         self.overrides.setdefault(e, {}).update({k: v.detach().clone() for k, v in parts.items()})

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .experts import expert_loop
+
 KERNELS = ("int8pack", "int_mm", "dequant")
 # kernel per row bucket: "small" = M <= SMALL_M (decode), "large" (prefill); set by select_kernels
 KERNEL_CHOICE = {"small": "int8pack", "large": "int_mm"}
@@ -80,19 +82,11 @@ class Int8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep=None) -> torch.Tensor:
         """x [N, H], idx/weights [N, A] -> [N, H] (the same token sort as the fp `Experts`)."""
-        order, token, counts = sort_by_expert(idx, self.n_experts, keep)
-        xs = x[token]  # [M, H]
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            h = int8_linear(xs[start:start + n], self.gate_up_int8[e], self.gate_up_scale[e])  # [n, 2I]
-            gate, up = h.chunk(2, dim=-1)
-            outs.append(int8_linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e]))
-            start += n
-        ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        return expert_loop(x, idx, weights, keep, self.n_experts, self._ffn)
+
+    def _ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = int8_linear(xs, self.gate_up_int8[e], self.gate_up_scale[e]).chunk(2, dim=-1)  # [n, I] each
+        return int8_linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e])
 
     @torch.no_grad()
     def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
@@ -106,18 +100,6 @@ class Int8Experts(nn.Module):
             self.down_int8[e], self.down_scale[e] = quantize_weight(parts["down"])
 
 
-def sort_by_expert(idx: torch.Tensor, n_experts: int, keep=None):
-    """Assignments grouped by expert: (order [M] into the flat N*A list, token [M], counts [E])."""
-    A = idx.shape[1]
-    flat = idx.reshape(-1)
-    if keep is not None:
-        flat = torch.where(keep.reshape(-1), flat, n_experts)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]
-    order = order[: int(counts.sum())]
-    return order, order // A, counts
-
-
 def quantize_model(model: nn.Module, kernels: dict | None = None) -> nn.Module:
     """Swap every eligible nn.Linear for Int8Linear and every expert block for Int8Experts, in place."""
     if kernels:
@@ -129,7 +111,7 @@ def quantize_model(model: nn.Module, kernels: dict | None = None) -> nn.Module:
                 continue
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, Int8Linear(child))
-            elif child.__class__.__name__ == "Experts":
+            elif child.__class__.__name__ in ("Experts", "InferenceExperts"):
                 setattr(module, child_name, Int8Experts(child))
     return model
 

@@ -18,6 +18,7 @@ import torch
 
 from glm5.model.layers import rope_angles
 from glm5.model.model import GLM5ForCausalLM
+from glm5.model.moe import MoE
 
 from .config import EngineConfig
 from .kv_cache import KVCache
@@ -100,8 +101,7 @@ class ModelRunner:
             o = attend_group(self.cache, cache_layer, group, qq, sel, attn.scale)  # [B, T, h, R]
             o_lat[group.q_index[group.q_valid]] = o[group.q_valid]
         h = x + attn.latent_to_output(o_lat)[None]
-        m = layer.mlp(layer.post_attention_layernorm(h))
-        return h + (m[0] if isinstance(m, tuple) else m)
+        return h + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()  # [M, V]
@@ -174,6 +174,18 @@ class ModelRunner:
             ids, lps, ranks = gather_logprobs(logits, targets, logits.shape[-1] if k == -1 else k)
             entries += [to_position_logprobs(ids[j], lps[j], int(ranks[j])) for j in range(ids.shape[0])]
         result.prompt_logprobs[req.request_id] = entries
+
+
+def mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP as the model computes it; a plain top-k MoE skips the router statistics the
+    training loop needs (bincounts, logits kept for losses), which cost real time per decode step."""
+    cfg = getattr(mlp, "cfg", None)
+    if isinstance(mlp, MoE) and cfg.moe_type == "topk" and cfg.moe_capacity_factor is None:
+        xf = x.reshape(-1, x.shape[-1])  # [N, H]
+        _, _, weights, idx = mlp.gate(xf)
+        return mlp.experts(xf, idx, weights).to(x.dtype).view(x.shape) + mlp.shared_experts(x)
+    m = mlp(x)
+    return m[0] if isinstance(m, tuple) else m
 
 
 def to_position_logprobs(ids: torch.Tensor, lps: torch.Tensor, rank: int) -> PositionLogprobs:

@@ -1,0 +1,295 @@
+"""Inference-engine benchmark on the `small` preset (random weights; both peers load the same checkpoint).
+
+    python bench/engine.py                 # everything, numbers as JSON lines + a markdown summary
+    python bench/engine.py --quick         # smaller workload (smoke run)
+
+Measures, in one run: offline throughput for N prompts of mixed lengths (glm5 LLMEngine vs transformers
+`generate` batched with left padding), single-stream decode tokens/s (glm5 vs transformers), KV bytes
+per token (latent vs expanded per-head K/V), INT8 vs fp32 decode speed and weight memory, INT8 logit
+error and perplexity change on the validation split, and batch-1 decode as a fraction of the
+memory-bandwidth bound (active weight bytes per token / measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from glm5.infer import quant  # noqa: E402
+from glm5.infer.config import EngineConfig  # noqa: E402
+from glm5.infer.engine import LLMEngine  # noqa: E402
+from glm5.infer.kv_cache import bytes_per_token, expanded_bytes_per_token  # noqa: E402
+from glm5.infer.sampling import SamplingParams  # noqa: E402
+from glm5.model.config import ModelConfig  # noqa: E402
+from glm5.model.hf_adapter import save_pretrained  # noqa: E402
+from glm5.model.model import GLM5ForCausalLM  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def record(name: str, **values) -> None:
+    RESULTS[name] = values
+    print(json.dumps({"bench": name, **values}), flush=True)
+
+
+def build(ckpt: str) -> GLM5ForCausalLM:
+    cfg = ModelConfig.from_preset("small")
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(cfg).init_weights(0).eval()
+    save_pretrained(model, ckpt)
+    return model
+
+
+def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(10, 8000, (L,), generator=g).tolist() for L in lens]
+
+
+def engine_for(model, **kw) -> LLMEngine:
+    opts = dict(device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048, block_size=16)
+    return LLMEngine(EngineConfig(**{**opts, **kw}), model=model)
+
+
+def run_engine(engine: LLMEngine, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}-{t}", prompt_token_ids=p, params=params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    elapsed = time.perf_counter() - t
+    return elapsed, [done[f"b{i}-{t}"] for i in range(len(prompts))]
+
+
+def hf_model(ckpt: str):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def run_hf(hf, prompts, max_tokens: int, batch: int) -> tuple[float, list[list[int]]]:
+    outs = []
+    t = time.perf_counter()
+    for b0 in range(0, len(prompts), batch):
+        chunk = prompts[b0:b0 + batch]
+        L = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), L, dtype=torch.long)
+        mask = torch.zeros(len(chunk), L, dtype=torch.long)
+        for i, p in enumerate(chunk):  # left padding
+            ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p), 1
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                          do_sample=False, pad_token_id=0, eos_token_id=None)
+        outs += out[:, L:].tolist()
+    return time.perf_counter() - t, outs
+
+
+def bench_offline(model, hf, args) -> None:
+    prompts = workload(args.num_prompts, args.min_len, args.max_len)
+    engine = engine_for(model)
+    run_engine(engine, prompts[:2], 2)  # warm-up
+    t_ours, ours = run_engine(engine_for(model), prompts, args.max_tokens)
+    t_hf, ref = run_hf(hf, prompts, args.max_tokens, args.hf_batch)
+    gen = len(prompts) * args.max_tokens
+    same = sum(a == b for a, b in zip(ours, ref))
+    record("offline_throughput", num_prompts=len(prompts), prompt_lens=[args.min_len, args.max_len],
+           max_tokens=args.max_tokens, glm5_tok_s=gen / t_ours, hf_tok_s=gen / t_hf, ratio=t_hf / t_ours,
+           hf_batch=args.hf_batch, identical_outputs=f"{same}/{len(prompts)}")
+
+
+def timed(fn, *a) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of fn(*a): with 1 thread on a shared machine, CPU time is the
+    time actually computed, wall time also counts waiting for a core."""
+    w, c = time.perf_counter(), time.process_time()
+    fn(*a)
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def decode_tok_s(run_n, n: int) -> tuple[float, float]:
+    """Decode tokens/s (wall, CPU) from the difference of an (n+1)-token and a 1-token generation."""
+    run_n(1)  # warm-up
+    short = timed(run_n, 1)
+    long = timed(run_n, n + 1)
+    return n / (long[0] - short[0]), n / (long[1] - short[1])
+
+
+def engine_decode_tok_s(model, prompt, n: int, **kw) -> tuple[float, float]:
+    return decode_tok_s(lambda k: run_engine(engine_for(model, **kw), [prompt], k), n)
+
+
+def hf_decode_tok_s(hf, prompt, n: int) -> tuple[float, float]:
+    return decode_tok_s(lambda k: run_hf(hf, [prompt], k, 1), n)
+
+
+def bench_single_stream(model, hf, args) -> None:
+    prompt = workload(1, 64, 64, seed=1)[0]
+    ours = engine_decode_tok_s(model, prompt, args.decode_tokens)
+    theirs = hf_decode_tok_s(hf, prompt, args.decode_tokens)
+    record("single_stream_decode", prompt_len=64, new_tokens=args.decode_tokens, glm5_tok_s=ours[0],
+           hf_tok_s=theirs[0], ratio=ours[0] / theirs[0], glm5_tok_per_cpu_s=ours[1], hf_tok_per_cpu_s=theirs[1],
+           ratio_cpu=ours[1] / theirs[1])
+    RESULTS["_fp32_decode"] = ours
+
+
+def bench_kv(model) -> None:
+    cfg = model.config
+    ours, exp = bytes_per_token(cfg), expanded_bytes_per_token(cfg)
+    g5 = ModelConfig.from_preset("glm-5")
+    record("kv_bytes_per_token", small_latent=ours, small_expanded=exp, small_ratio=exp / ours,
+           glm5_latent_bf16=bytes_per_token(g5, torch.bfloat16),
+           glm5_expanded_bf16=expanded_bytes_per_token(g5, torch.bfloat16),
+           glm5_ratio=expanded_bytes_per_token(g5) / bytes_per_token(g5))
+
+
+def bench_int8(model, args) -> None:
+    times = quant.select_kernels(model.config.hidden_size, 3 * model.config.hidden_size)
+    record("int8_kernels_us", **{b: {k: v * 1e6 for k, v in t.items()} for b, t in times.items()},
+           choice=dict(quant.KERNEL_CHOICE))
+    qmodel = quant.quantize_model(copy.deepcopy(model))
+    prompt = workload(1, 64, 64, seed=1)[0]
+    q = engine_decode_tok_s(qmodel, prompt, args.decode_tokens)
+    fp = engine_decode_tok_s(model, prompt, args.decode_tokens)  # again, next to the int8 run
+    record("int8_vs_fp32", fp32_decode_tok_s=fp[0], int8_decode_tok_s=q[0], speedup=q[0] / fp[0],
+           fp32_tok_per_cpu_s=fp[1], int8_tok_per_cpu_s=q[1], speedup_cpu=q[1] / fp[1],
+           fp32_weight_mb=quant.weight_bytes(model) / 2**20, int8_weight_mb=quant.weight_bytes(qmodel) / 2**20,
+           memory_ratio=quant.weight_bytes(qmodel) / quant.weight_bytes(model))
+    int8_quality(model, qmodel, args, "small_random")
+    if args.train_steps:
+        tiny = train_tiny(args)
+        int8_quality(tiny, quant.quantize_model(copy.deepcopy(tiny)), args, "tiny_trained")
+
+
+def token_stream(path: str, n: int) -> torch.Tensor:
+    from glm5.data.shards import TokenShards
+    shards = TokenShards(path)
+    docs, total = [], 0
+    for i in range(len(shards)):
+        docs.append(torch.as_tensor(shards.doc(i).astype("int64")))
+        total += docs[-1].numel()
+        if total > n:
+            break
+    return torch.cat(docs)[:n]
+
+
+def train_tiny(args) -> GLM5ForCausalLM:
+    """A briefly trained `tiny` model, so that INT8 perplexity is measured on meaningful logits."""
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", num_nextn_predict_layers=0)).init_weights(0)
+    data = token_stream(args.train, 2_000_000)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    T, B = 128, 8
+    t0 = time.perf_counter()
+    for step in range(args.train_steps):
+        starts = torch.randint(0, data.numel() - T - 1, (B,), generator=g)
+        x = torch.stack([data[s:s + T] for s in starts.tolist()])
+        y = torch.stack([data[s + 1:s + T + 1] for s in starts.tolist()])
+        loss = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    record("tiny_training", steps=args.train_steps, final_loss=loss.item(), seconds=time.perf_counter() - t0)
+    return model.eval()
+
+
+@torch.inference_mode()
+def int8_quality(model, qmodel, args, label: str) -> None:
+    stream = token_stream(args.validation, args.ppl_tokens + 1)
+    T = 256
+    n = (stream.numel() - 1) // T
+    x, y = stream[: n * T].view(n, T), stream[1: n * T + 1].view(n, T)
+    nll, err, flips = {}, 0.0, 0.0
+    for name, m in (("fp32", model), ("int8", qmodel)):
+        logits = torch.cat([m(x[i:i + 4]).logits for i in range(0, n, 4)])  # [n, T, V]
+        nll[name] = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+        if name == "fp32":
+            ref = logits
+        else:
+            err = ((logits - ref).abs().max() / ref.std()).item()
+            flips = (logits.argmax(-1) != ref.argmax(-1)).float().mean().item()
+    record(f"int8_quality_{label}", tokens=n * T, ppl_fp32=math.exp(nll["fp32"]), ppl_int8=math.exp(nll["int8"]),
+           ppl_change_pct=100 * (math.exp(nll["int8"] - nll["fp32"]) - 1), max_logit_err_over_std=err,
+           argmax_flip_rate=flips)
+
+
+def bandwidth_gbs(mb: int = 512) -> float:
+    a = torch.empty(mb * 2**20 // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    return 5 * 2 * a.nbytes / (time.perf_counter() - t) / 1e9  # read + write
+
+
+def active_weight_bytes(model) -> int:
+    """Weight bytes one decode token touches: everything except the unused routed experts and the
+    embedding table (one row) and the MTP layer."""
+    cfg = model.config
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith(f"model.layers.{cfg.num_hidden_layers}") or "embed_tokens" in name:
+            continue
+        n = p.numel() * p.element_size()
+        if ".mlp.experts." in name:
+            n = n * cfg.num_experts_per_tok // cfg.n_routed_experts
+        total += n
+    return total
+
+
+def bench_bandwidth(model) -> None:
+    bw = bandwidth_gbs()
+    active = active_weight_bytes(model)
+    bound = bw * 1e9 / active
+    tok_s = RESULTS.get("_fp32_decode", (0.0, 0.0))
+    record("bandwidth_bound", copy_bandwidth_gbs=bw, active_weight_mb=active / 2**20, bound_tok_s=bound,
+           measured_tok_s=tok_s[0], fraction=tok_s[0] / bound, measured_tok_per_cpu_s=tok_s[1],
+           fraction_cpu=tok_s[1] / bound)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both peers")
+    p.add_argument("--ckpt", default="/tmp/glm5-bench-small")
+    p.add_argument("--validation", default="runs/data/tokens/validation")
+    p.add_argument("--train", default="runs/data/tokens/train")
+    p.add_argument("--only", nargs="*", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    q = args.quick
+    args.num_prompts, args.min_len, args.max_len = (16, 8, 64) if q else (64, 16, 256)
+    args.max_tokens, args.hf_batch = (8, 16) if q else (32, 64)
+    args.decode_tokens, args.ppl_tokens = (8, 1024) if q else (32, 8192)
+    args.train_steps = 20 if q else 300
+    print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
+    model = build(args.ckpt)
+    only = set(args.only or ["kv", "single", "offline", "int8", "bandwidth"])
+    hf = hf_model(args.ckpt) if only & {"single", "offline"} else None
+    if "kv" in only:
+        bench_kv(model)
+    if "single" in only:
+        bench_single_stream(model, hf, args)
+    if "offline" in only:
+        bench_offline(model, hf, args)
+    if "int8" in only:
+        bench_int8(model, args)
+    if "bandwidth" in only:
+        bench_bandwidth(model)
+    print(json.dumps({"load_avg_end": os.getloadavg()}))
+
+
+if __name__ == "__main__":
+    main()
