@@ -66,3 +66,15 @@ def test_exact_dedup_ignores_case_and_whitespace_and_cjk_shingles():
     assert removed == {1: ("exact_dup", 0)}
     zh = shingles("床前明月光，疑是地上霜", DedupConfig(char_ngram=5))
     assert "床前明月光".encode() in zh and len(zh) == 6  # 10 characters (punctuation removed) -> 6 5-grams
+
+
+def test_chinese_near_duplicates_use_character_shingles():
+    cfg = DedupConfig()
+    poem = ("床前明月光，疑是地上霜。举头望明月，低头思故乡。" * 3 + "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。" * 3
+            + "白日依山尽，黄河入海流。欲穷千里目，更上一层楼。")
+    variant = poem.replace("黄河入海流", "长江入海流")  # one phrase changed: Jaccard stays high
+    other = "红豆生南国，春来发几枝。愿君多采撷，此物最相思。" * 4
+    docs = [poem, variant, other]
+    sigs = np.stack([signature(d, cfg) for d in docs])
+    assert _jaccard(poem, variant, cfg) >= 0.8
+    assert global_dedup([exact_key(d) for d in docs], sigs, cfg) == {1: ("near_dup", 0)}
