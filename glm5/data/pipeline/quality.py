@@ -32,8 +32,10 @@ def features(text: str, cfg: QualityConfig) -> tuple[np.ndarray, np.ndarray]:
     """Hashed feature ids [F] int64 and weights [F] float32 of the first `max_chars` characters.
 
     N-grams (word/CJK-char unigrams + bigrams) share a total weight of 1, so the logit is their mean
-    weight (length-independent); four "shape" features get weight 1 each: they carry what a bag of
-    n-grams cannot see (repetition = low distinct-bigram ratio, symbol noise, line structure, length).
+    weight (length-independent); three "shape" features get weight 1 each: they carry what a bag of
+    n-grams cannot see (repetition = low distinct-bigram ratio, symbol noise, line structure). No length
+    feature: the degradations are not shorter than real text, but a length cue learnt anyway made the
+    model reject short real fortunes and poems.
     """
     head = text[: cfg.max_chars]
     ws = [w.lower() for w in words(head)] or [""]
