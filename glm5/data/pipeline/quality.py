@@ -34,8 +34,8 @@ def features(text: str, cfg: QualityConfig) -> tuple[np.ndarray, np.ndarray]:
     N-grams (word/CJK-char unigrams + bigrams) share a total weight of 1, so the logit is their mean
     weight (length-independent); three "shape" features get weight 1 each: they carry what a bag of
     n-grams cannot see (repetition = low distinct-bigram ratio, symbol noise, line structure). No length
-    feature: the degradations are not shorter than real text, but a length cue learnt anyway made the
-    model reject short real fortunes and poems.
+    feature: with one, the model learnt "short = junk" (boilerplate negatives are short) and rejected
+    short real fortunes and poems.
     """
     head = text[: cfg.max_chars]
     ws = [w.lower() for w in words(head)] or [""]
