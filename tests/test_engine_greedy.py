@@ -152,3 +152,10 @@ def test_n_samples_abort_and_expert_swap(model, prompts):
         with torch.no_grad():
             experts.gate_up_proj.copy_(saved[0])
             experts.down_proj.copy_(saved[1])
+
+
+def test_query_chunked_attention_is_exact(model, prompts, reference, monkeypatch):
+    """Long prefill chunks are attended a few queries at a time (bounded score/gather memory)."""
+    from glm5.infer import paged_attention
+    monkeypatch.setattr(paged_attention, "SCORE_BYTES", 1)  # one query per chunk
+    assert run_all(make_engine(model, max_num_batched_tokens=64), prompts[2:]) == reference[2:]

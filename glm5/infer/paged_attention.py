@@ -157,6 +157,13 @@ def attend_group(cache: KVCache, layer: int, group: AttnGroup, qq: torch.Tensor,
         return dense_latent_attention(q, lat, group.allowed, cache.kv_rank, scale)
     idx, valid = sel
     B, T, K = idx.shape
-    slots = group.key_slots.gather(1, idx.reshape(B, T * K)).view(B, T, K)  # [B, T, K]
-    g = cache.gather_latent(layer, slots)  # [B, T, K, R+P]: only the selected rows are read
-    return gathered_latent_attention(q, g, valid, cache.kv_rank, scale)
+    H, W = q.shape[2], q.shape[3]
+    step = max(1, SCORE_BYTES // max(1, B * K * (W + H) * 4))  # queries per chunk: bounded gather
+    outs = []
+    for t0 in range(0, T, step):
+        ic = idx[:, t0:t0 + step]
+        t = ic.shape[1]
+        slots = group.key_slots.gather(1, ic.reshape(B, t * K)).view(B, t, K)  # [B, t, K]
+        g = cache.gather_latent(layer, slots)  # [B, t, K, R+P]: only the selected rows are read
+        outs.append(gathered_latent_attention(q[:, t0:t0 + t], g, valid[:, t0:t0 + t], cache.kv_rank, scale))
+    return torch.cat(outs, dim=1)
