@@ -30,10 +30,10 @@ def run_main(argv: list[str]) -> int:
 
     try:
         cfg = load_config(DataConfig, args.config, overrides)
-    except ConfigError as e:
+        stats = run(cfg)
+    except ConfigError as e:  # bad key/value, or an output_dir holding a run with another config
         print(f"glm5 data run: {e}", file=sys.stderr)
         return 2
-    stats = run(cfg)
     print(json.dumps({k: stats[k] for k in ("num_in", "num_out", "wall_seconds")}, indent=2))
     print(f"stats: {cfg.run.output_dir}/stats.json   documents: {cfg.run.output_dir}/data/")
     return 0
