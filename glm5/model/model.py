@@ -94,7 +94,8 @@ class GLM5Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.block_position_embedding:
-            self.block_position_embeddings = nn.Embedding(cfg.max_block_positions, cfg.hidden_size)
+            n_blocks = cfg.max_block_positions or cfg.max_position_embeddings + 1
+            self.block_position_embeddings = nn.Embedding(n_blocks, cfg.hidden_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
 
     @property
