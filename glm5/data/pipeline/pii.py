@@ -2,7 +2,8 @@
 
 Replacements are `<EMAIL>`, `<IP>`, `<PHONE>` (placeholders, not fake values, so a model never learns
 made-up addresses). Non-global IPs (loopback, private, documentation ranges) are kept by default:
-`192.168.0.1` in a networking manual is not personal data. Nothing is dropped here; counts go to stats.
+`192.168.0.1` in a networking manual is not personal data; neither are section numbers ("6.3.2.1"),
+slices ("x[1::2]") or timezone offsets ("+0900"), which the patterns alone would match. Nothing is dropped here; counts go to stats.
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ PHONE = re.compile(
     r")(?![\w])")
 
 
+def _looks_like_ip(text: str) -> bool:
+    """Reject the look-alikes found in manuals and code: section numbers ("6.3.2.1": every octet a
+    single digit) and slices or times ("x[1::2]", "12:30:45": fewer than three colons)."""
+    if "." in text:
+        return any(len(octet) > 1 for octet in text.split("."))
+    return text.count(":") >= 3
+
+
 def _ip_repl(match: re.Match, cfg: PIIConfig, counts: dict) -> str:
     text = match.group(0)
     try:
         ip = ipaddress.ip_address(text)
     except ValueError:
-        return text  # 999.1.1.1 or a time like 12:30:45: not an address
-    if not cfg.redact_non_global_ips and not ip.is_global:
+        return text  # 999.1.1.1: not an address
+    if not _looks_like_ip(text) or (not cfg.redact_non_global_ips and not ip.is_global):
         return text
     counts["ip"] = counts.get("ip", 0) + 1
     return "<IP>"
@@ -53,5 +62,13 @@ def redact(text: str, cfg: PIIConfig, counts: dict | None = None) -> str:
         text = IPV4.sub(lambda m: _ip_repl(m, cfg, counts), text)
         text = IPV6.sub(lambda m: _ip_repl(m, cfg, counts), text)
     if cfg.phones:
-        text = _sub(PHONE, "<PHONE>", text, "phone", counts)
+        text = PHONE.sub(lambda m: _phone_repl(m, counts), text)
     return text
+
+
+def _phone_repl(match: re.Match, counts: dict) -> str:
+    """Phone numbers have 8-15 digits (E.164); "+0900" (a timezone) or "(+1334)" (a diff count) do not."""
+    if not 8 <= sum(c.isdigit() for c in match.group(0)) <= 15:
+        return match.group(0)
+    counts["phone"] = counts.get("phone", 0) + 1
+    return "<PHONE>"
