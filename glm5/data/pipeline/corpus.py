@@ -215,6 +215,9 @@ def provenance(rows, splits: dict[str, list[dict]], validation_fraction: float) 
     for name, docs in splits.items():
         langs = Counter(d["lang"] for d in docs)
         lines.append(f"- `{name}.jsonl.gz`: {len(docs)} docs ({', '.join(f'{k}: {v}' for k, v in sorted(langs.items()))})")
+    train_texts = {d["text"] for d in splits["train"]}
+    leaked = sum(d["text"] in train_texts for d in splits["validation"])
+    lines.append(f"- validation documents whose exact text is also in train (the split is by id): {leaked}")
     lines += ["", "Each line: `{\"id\", \"text\", \"source\", \"lang\", \"domain\"}`; `lang` is `en`, `zh` or",
               "`code` (Python source). Full licence texts: `/usr/share/doc/<package>/copyright`.", ""]
     return "\n".join(lines)
