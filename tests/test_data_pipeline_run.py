@@ -66,6 +66,7 @@ def test_run_outputs_stats_and_exclusions(clean_run, sample):
     assert by_id["planted/exact"]["stage"] == "dedup" and by_id["planted/exact"]["reason"] == "exact_dup"
     assert by_id["planted/near"]["reason"] == "near_dup" and by_id["planted/near"]["dup_of"]
     assert by_id["planted/german"]["reason"] == "lang:de"
+    assert all(0.0 <= d["quality"] < 0.25 for d in excluded if d["stage"] == "quality")
     kept = {d["id"]: d for d in docs}
     if "planted/pii" in kept:
         assert "<EMAIL>" in kept["planted/pii"]["text"] and "<IP>" in kept["planted/pii"]["text"]

@@ -66,6 +66,10 @@ def run_stage(name: str, docs: list[dict], fn, stats: StageStats, excluded: list
 
 
 def exclusion(doc: dict, stage: str, reason: str, **extra) -> dict:
+    """The exclusion record of a dropped document (with its quality score once it has one, to review
+    thresholds)."""
+    if "quality" in doc:
+        extra["quality"] = doc["quality"]
     return {"id": doc["id"], "source": doc.get("source"), "stage": stage, "reason": reason, **extra,
             "text": doc["text"]}
 
