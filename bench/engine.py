@@ -272,7 +272,7 @@ def main() -> None:
     q = args.quick
     args.num_prompts, args.min_len, args.max_len = (16, 8, 64) if q else (64, 16, 256)
     args.max_tokens, args.hf_batch = (8, 16) if q else (32, 64)
-    args.decode_tokens, args.ppl_tokens = (8, 1024) if q else (32, 8192)
+    args.decode_tokens, args.ppl_tokens = (8, 1024) if q else (64, 8192)
     args.train_steps = 20 if q else 300
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt)
