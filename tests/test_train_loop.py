@@ -104,6 +104,16 @@ def test_checkpoint_rotation_and_final_model(tmp_path):
     ids = torch.randint(0, 96, (1, 8))
     t.raw_model.eval()
     torch.testing.assert_close(loaded(ids).logits, t.raw_model(ids).logits)
+    # continued pretraining: model.name = a checkpoint directory starts from its weights
+    cont = make(tmp_path / "cont", model={"name": str(tmp_path / "final"), "overrides": {}})
+    for (n, p), q in zip(cont.raw_model.named_parameters(), t.raw_model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_incompatible_objective_fails_early(tmp_path):
+    with pytest.raises(ValueError, match="block_position_embedding"):
+        make(tmp_path, model={"overrides": {**MODEL, "block_position_embedding": False}},
+             train={"objectives": {"clm": 1.0, "glm": 0.5}})
 
 
 def test_time_budget_drives_the_schedule(tmp_path):

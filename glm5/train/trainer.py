@@ -22,10 +22,10 @@ import torch
 
 from glm5.core import dist
 from glm5.core.config import to_dict
-from glm5.core.io import atomic_dir
+from glm5.core.io import LazyTensors, atomic_dir, safetensors_files
 from glm5.core.log import MetricsWriter
 from glm5.model.config import ModelConfig
-from glm5.model.hf_adapter import from_pretrained, save_pretrained
+from glm5.model.hf_adapter import load_hf_state_dict, save_pretrained
 from glm5.model.model import GLM5ForCausalLM
 
 from . import perf
@@ -43,13 +43,24 @@ logger = logging.getLogger("glm5.train")
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> GLM5ForCausalLM:
-    """A fresh model from a preset (seeded init) or a checkpoint's weights; fp32 master weights."""
-    name, overrides = cfg.model.name, dict(cfg.model.overrides)
-    if cfg.model.load_weights and (Path(name) / "config.json").is_file() and not overrides:
-        return from_pretrained(name, dtype=torch.float32, device=device).train()
-    mcfg = ModelConfig.load(name, **overrides)
+    """A fresh model from a preset (seeded init), or a checkpoint directory's config (+ its weights when
+    `model.load_weights`); `model.overrides` apply in both cases. fp32 master weights."""
+    name = cfg.model.name
+    mcfg = ModelConfig.load(name, **dict(cfg.model.overrides))
     model = GLM5ForCausalLM(mcfg).init_weights(seed=cfg.train.seed)
+    if cfg.model.load_weights and (Path(name) / "config.json").is_file():
+        load_hf_state_dict(model, LazyTensors(safetensors_files(name)))  # strict: names every mismatch
     return model.to(device).train()
+
+
+def check_compatible(cfg: TrainConfig, model_cfg: ModelConfig, data_vocab: int) -> None:
+    """Fail early, naming the config keys, on a model that cannot train on this data / objective mix."""
+    if data_vocab > model_cfg.vocab_size:
+        raise ValueError(f"the data's tokenizer has {data_vocab} ids but model vocab_size is "
+                         f"{model_cfg.vocab_size}: set model.overrides.vocab_size >= {data_vocab}")
+    if cfg.train.objectives.get("glm", 0) > 0 and not model_cfg.block_position_embedding:
+        raise ValueError("train.objectives has 'glm' (blank infilling, 2D positions) but the model has "
+                         "block_position_embedding = false: add model.overrides.block_position_embedding = true")
 
 
 def set_threads(n: int) -> int:
@@ -88,6 +99,7 @@ class Trainer:
             self.raw_model.gradient_checkpointing = True
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.data = data if data is not None else build_data(cfg, dist.rank(), dist.world_size())
+        check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
         self.ramp = BatchRamp(self.data.micro_batch_size, dist.world_size(), cfg.train.grad_accum,
                               cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
