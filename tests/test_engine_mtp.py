@@ -37,8 +37,8 @@ def run(engine, prompts, params):
 
 
 def make(model, k, **kw):
-    return LLMEngine(EngineConfig(device="cpu", num_blocks=64, block_size=4, max_model_len=64,
-                                  max_num_batched_tokens=16, speculative_num_tokens=k, **kw), model=model)
+    opts = dict(device="cpu", num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16)
+    return LLMEngine(EngineConfig(**{**opts, **kw}, speculative_num_tokens=k), model=model)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -52,6 +52,17 @@ def test_mtp_greedy_equals_plain(model, k):
     assert len(rates) == k and st["spec_num_draft_tokens"] > 0
     assert 0 <= st["spec_num_accepted_tokens"] <= st["spec_num_draft_tokens"]
     assert all(0.0 <= r <= 1.0 for r in rates)
+
+
+def test_mtp_with_preemption_and_prefix_hits(model):
+    """A 14-block budget forces a preemption (drafts dropped, MTP cache rebuilt on recompute) and the
+    resumed request reuses cached blocks, whose MTP rows were written with them."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [model.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist() for p in PROMPTS]
+    engine = make(model, 2, num_blocks=14, max_model_len=40)
+    assert run(engine, PROMPTS, params) == ref
+    st = engine.get_stats()
+    assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0
 
 
 def test_accepted_drafts_keep_greedy_exact(model):
