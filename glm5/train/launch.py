@@ -13,6 +13,7 @@ import logging
 import sys
 
 from glm5.core.config import ConfigError, load_config, to_dict
+from glm5.core.dist import is_main
 
 from .config import TrainConfig
 from .stability import TrainingDiverged
@@ -51,6 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         print(f"glm5 train: diverged: {e}", file=sys.stderr)
         return 3
-    if summary:
+    if summary and is_main():
         print(json.dumps({"run_dir": cfg.log.run_dir, **summary}))
     return 0

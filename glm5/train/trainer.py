@@ -303,6 +303,7 @@ class Trainer:
         self.model.train()
         if self.capture is not None:
             self.capture.enabled = True
+        total, uni, count = self._sum(total), self._sum(uni), int(self._sum(count))  # over ranks' shards
         if count == 0:
             return {}
         return {"val_loss": total / count, "unigram_loss": uni / count, "val_tokens": count}
