@@ -224,6 +224,24 @@ def int8_quality(model, qmodel, args, label: str) -> None:
            argmax_flip_rate=flips)
 
 
+def bench_offload(model, args) -> None:
+    """Experts memory-mapped + an LRU of R experts per layer (of 64): resident bytes, speed, hit rate."""
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    for num_prompts, resident in ((8, 8), (1, 32)):
+        prompts = workload(num_prompts, 32, 64, seed=2)
+        t_full, ref = run_engine(engine_for(model), prompts, 16)
+        off = LLMEngine(EngineConfig(model=args.ckpt, device="cpu", max_model_len=1024, max_num_seqs=64,
+                                     max_num_batched_tokens=2048, max_resident_experts=resident))
+        t_off, out = run_engine(off, prompts, 16)
+        st = off.get_stats()
+        record(f"expert_offload_batch{num_prompts}", resident_experts_per_layer=resident,
+               of_experts=model.config.n_routed_experts, full_weight_mb=quant.weight_bytes(model) / 2**20,
+               offload_resident_mb=(quant.weight_bytes(off.model) + st["expert_cache_bytes"]) / 2**20,
+               routed_expert_mb=experts / 2**20, hit_rate=st["expert_cache_hit_rate"],
+               tok_s_full=num_prompts * 16 / t_full, tok_s_offload=num_prompts * 16 / t_off,
+               identical_outputs=out == ref)
+
+
 def bandwidth_gbs(mb: int = 512) -> float:
     a = torch.empty(mb * 2**20 // 4)
     b = torch.empty_like(a)
@@ -276,7 +294,7 @@ def main() -> None:
     args.train_steps = 20 if q else 300
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt)
-    only = set(args.only or ["kv", "single", "offline", "int8", "bandwidth"])
+    only = set(args.only or ["kv", "single", "offline", "int8", "offload", "bandwidth"])
     hf = hf_model(args.ckpt) if only & {"single", "offline"} else None
     if "kv" in only:
         bench_kv(model)
@@ -286,6 +304,8 @@ def main() -> None:
         bench_offline(model, hf, args)
     if "int8" in only:
         bench_int8(model, args)
+    if "offload" in only:
+        bench_offload(model, args)
     if "bandwidth" in only:
         bench_bandwidth(model)
     print(json.dumps({"load_avg_end": os.getloadavg()}))
