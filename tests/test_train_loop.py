@@ -143,3 +143,34 @@ def test_bf16_autocast_step_runs(tmp_path):
     m = t.train_step()
     assert t.autocast_dtype == torch.bfloat16 and math.isfinite(m["loss"])
     assert all(p.dtype == torch.float32 for p in t.raw_model.parameters())  # fp32 master weights
+
+
+KILL_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_train_loop import make
+make({run!r}, steps=100000, checkpoint={{"every": 1, "keep_last": 2}}).fit()
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), run=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 120
+    while len(step_dirs(tmp_path / "checkpoints")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.37)  # land somewhere inside the next checkpoint write
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    latest = resolve_resume("auto", tmp_path / "checkpoints")
+    assert latest is not None
+    resumed = make(tmp_path, steps=100000, checkpoint={"resume": "auto"})
+    assert resumed.step == int(latest.name.split("_")[1]) and resumed.step >= 2
+    resumed.train_step()
