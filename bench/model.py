@@ -25,7 +25,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child_train(impl: str, batch: int, seq: int, steps: int, layers: int) -> dict:
+def _train_setup(impl: str, layers: int):
     import torch
 
     from glm5.model.config import ModelConfig
@@ -34,28 +34,50 @@ def child_train(impl: str, batch: int, seq: int, steps: int, layers: int) -> dic
     cfg = ModelConfig.from_preset("small", num_nextn_predict_layers=0, num_hidden_layers=layers)
     if impl == "glm5":
         model = GLM5ForCausalLM(cfg).init_weights(0)
-        fwd = lambda x: model(x).logits  # noqa: E731
     else:
         import transformers
-        hcfg = transformers.GlmMoeDsaConfig(**{k: v for k, v in cfg.to_dict().items() if k not in ("dtype",)})
+        hcfg = transformers.GlmMoeDsaConfig(**{k: v for k, v in cfg.to_dict().items() if k != "dtype"})
         hcfg._attn_implementation = "eager" if impl == "hf-eager" else "sdpa"
         model = transformers.GlmMoeDsaForCausalLM(hcfg)
-        fwd = lambda x: model(x).logits  # noqa: E731
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(2, cfg.vocab_size, (batch, seq))
-    times = []
-    for i in range(steps + 1):
-        t = time.perf_counter()
-        logits = fwd(x)
+
+    def step(x):
+        logits = model(x).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i:  # first step is warm-up
-            times.append(time.perf_counter() - t)
-    dt = sorted(times)[len(times) // 2]
-    return {"impl": impl, "tokens_per_s": batch * seq / dt, "step_s": dt, "peak_rss_mb": _peak_rss_mb()}
+    return cfg, step
+
+
+def child_train(impls: str, batch: int, seq: int, steps: int, layers: int) -> dict:
+    """Time several implementations in ONE process, alternating step by step, so that a noisy machine
+    slows all of them alike; the ratio of medians is the result."""
+    import torch
+    names = impls.split("+")
+    runs = {n: _train_setup(n, layers) for n in names}
+    x = torch.randint(2, runs[names[0]][0].vocab_size, (batch, seq))
+    times = {n: [] for n in names}
+    for i in range(steps + 1):
+        for n in names:
+            t = time.perf_counter()
+            runs[n][1](x)
+            if i:  # the first step is warm-up
+                times[n].append(time.perf_counter() - t)
+    med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+    return {"tokens_per_step": batch * seq, **{f"{n}_tokens_per_s": batch * seq / med[n] for n in names},
+            **{f"{n}_step_s": med[n] for n in names}}
+
+
+def child_train_mem(impl: str, batch: int, seq: int, layers: int) -> dict:
+    import torch
+    cfg, step = _train_setup(impl, layers)
+    base = _peak_rss_mb()
+    x = torch.randint(2, cfg.vocab_size, (batch, seq))
+    for _ in range(2):
+        step(x)
+    return {"impl": impl, "peak_rss_mb": _peak_rss_mb(), "rss_after_build_mb": base}
 
 
 def child_prefill(mode: str, seq: int, layers: int) -> dict:
@@ -144,7 +166,7 @@ def _child_main(spec: str) -> None:
     cap = int(spec["cap"] * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     kind, *rest = spec["args"]
-    fn = {"train": child_train, "prefill": child_prefill, "moe": child_moe}[kind]
+    fn = {"train": child_train, "train_mem": child_train_mem, "prefill": child_prefill, "moe": child_moe}[kind]
     conv = [int(r) if str(r).isdigit() else r for r in rest]
     print(json.dumps(fn(*conv)))
 
@@ -162,14 +184,17 @@ def main() -> None:
     import torch
     print(f"# torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}")
     if args.what == "train":
-        res = [run_child(["train", impl, args.batch, args.seq, args.steps, args.layers], args.mem_cap_gb)
-               for impl in ("glm5", "hf-eager", "hf-sdpa")]
-        for r in res:
-            print(json.dumps(r))
-        if all("tokens_per_s" in r for r in res):
-            for r in res[1:]:
-                print(f"glm5 / {r['impl']}: {res[0]['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s, "
-                      f"peak RSS {res[0]['peak_rss_mb']:.0f} vs {r['peak_rss_mb']:.0f} MB")
+        impls = ("glm5", "hf-eager", "hf-sdpa")
+        t = run_child(["train", "+".join(impls), args.batch, args.seq, args.steps, args.layers], args.mem_cap_gb)
+        print(json.dumps(t))
+        mem = {i: run_child(["train_mem", i, args.batch, args.seq, args.layers], args.mem_cap_gb) for i in impls}
+        for i in impls:
+            print(json.dumps(mem[i]))
+        if "glm5_tokens_per_s" in t:
+            for i in impls[1:]:
+                print(f"glm5 / {i}: {t['glm5_tokens_per_s'] / t[i + '_tokens_per_s']:.2f}x tokens/s "
+                      f"(fwd+bwd+AdamW, batch {args.batch} x {args.seq}); peak RSS "
+                      f"{mem['glm5'].get('peak_rss_mb', float('nan')):.0f} vs {mem[i].get('peak_rss_mb', float('nan')):.0f} MB")
     elif args.what == "prefill":
         for seq in [int(s) for s in args.lengths.split(",")]:
             for mode in ("sparse", "dense", "hf-eager"):

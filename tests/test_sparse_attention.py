@@ -60,6 +60,10 @@ def test_sparse_topk_matches_bruteforce_and_chunking(monkeypatch):
     m = tiny_model(seed=5, index_topk=6)
     attn, x, cos, sin = _attn_inputs(m, T=30)
     ref = _reference_sparse(attn, x, cos, sin, topk=6)
+    monkeypatch.setattr(attention, "DENSE_MASK_RATIO", 100)  # short sequence: masked dense SDPA path
+    masked, _ = attn(x, cos, sin, MaskSpec())
+    assert torch.allclose(masked, ref, atol=1e-5)
+    monkeypatch.setattr(attention, "DENSE_MASK_RATIO", 0)  # the gather path
     out, sel = attn(x, cos, sin, MaskSpec())
     assert sel[0].shape == (2, 30, 6)  # [B, T, K]: memory grows with T*K
     assert torch.allclose(out, ref, atol=1e-5)

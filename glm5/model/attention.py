@@ -6,7 +6,8 @@ Two execution paths, equal in exact arithmetic:
   * dense: expand K/V per head with kv_b_proj and run SDPA (training / prefill when every allowed key is
     selected, i.e. index_topk >= T as in GLM-5 below 2048 tokens);
   * sparse: per query, gather only the K selected latents and attend in the latent space with kv_b_proj
-    absorbed into the query and the output (memory grows with T*K, never with heads*T*T).
+    absorbed into the query and the output (memory grows with T*K, never with heads*T*T); when the
+    sequence is short (S <= 4K) the selection is applied as a [B, T, S] mask on dense SDPA instead.
 The engine reuses the projection helpers (`project_q`, `project_kv`, `absorb_q`, `latent_to_output`).
 
 Dims: B batch, T queries, S keys, H heads, R kv_lora_rank, P qk_rope_head_dim, E nope dim, V v dim, K selected.
@@ -22,6 +23,11 @@ from .config import ModelConfig
 from .indexer import SCORE_CHUNK_BYTES, Indexer, dsa_topk, window_select
 from .layers import RMSNorm, apply_rope
 from .masks import MaskSpec
+
+
+# Sparse layers with at most this many keys per selected key run dense SDPA under a selection mask
+# (cheaper than gathering at short lengths, e.g. T = 512 with index_topk 256); longer ones gather.
+DENSE_MASK_RATIO = 4
 
 
 class MLAttention(nn.Module):
@@ -81,9 +87,16 @@ class MLAttention(nn.Module):
         B, T, _ = x.shape
         q_nope, q_rope, q_resid = self.project_q(x, cos, sin)
         c_kv, k_rope = self.project_kv(x, cos, sin)
-        sel = self.select(x, q_resid, cos, sin, c_kv.shape[1], mask, prev_topk)
+        S = c_kv.shape[1]
+        sel = self.select(x, q_resid, cos, sin, S, mask, prev_topk)
         if sel is None:
             return self._dense(q_nope, q_rope, c_kv, k_rope, mask), None
+        if S <= DENSE_MASK_RATIO * sel[0].shape[-1]:
+            # Few keys per selected key: dense SDPA under the selection mask ([B, T, S] bools, no heads)
+            # is cheaper than gathering; same result (tested).
+            allowed = torch.zeros(sel[0].shape[:2] + (S,), dtype=torch.bool, device=x.device)
+            allowed.scatter_(-1, sel[0], sel[1])
+            return self._dense(q_nope, q_rope, c_kv, k_rope, MaskSpec(causal=False, attention_mask=allowed)), sel
         return self._sparse(q_nope, q_rope, c_kv, k_rope, sel), sel
 
     def needs_selection(self, num_keys: int) -> bool:
