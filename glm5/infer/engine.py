@@ -98,6 +98,7 @@ class LLMEngine:
                                   cache_dtype=next(self.model.model.embed_tokens.parameters()).dtype)
         self._groups: dict[str, list[Request]] = {}  # request id -> its (child) requests
         self._prompts: dict[str, str | None] = {}
+        self._flushed: set[str] = set()  # finished requests whose detokenizer was flushed
 
     # ---- construction helpers -----------------------------------------------------------------------
     def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
@@ -195,7 +196,8 @@ class LLMEngine:
         outputs = [self._output(gid) for gid in changed if gid in self._groups]
         for o in outputs:
             if o.finished:
-                self._groups.pop(o.request_id, None)
+                for r in self._groups.pop(o.request_id, []):
+                    self._flushed.discard(r.request_id)
                 self._prompts.pop(o.request_id, None)
         return outputs
 
@@ -203,9 +205,9 @@ class LLMEngine:
         reqs = self._groups[group_id]
         outs = []
         for r in reqs:
-            if r.is_finished and r.detokenizer is not None and not getattr(r, "_flushed", False):
-                r.output_text += r.detokenizer.finish()
-                r._flushed = True
+            if r.is_finished and r.detokenizer is not None and r.request_id not in self._flushed:
+                r.output_text += r.detokenizer.finish()  # a dangling partial UTF-8 character, if any
+                self._flushed.add(r.request_id)
             outs.append(CompletionOutput(
                 r.index, r.text_for_output(), list(r.output_token_ids),
                 r.cumulative_logprob if r.logprobs is not None else None,
