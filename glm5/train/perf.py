@@ -65,7 +65,8 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, use_cache: boo
         _sync(device)
         best = min(best, (time.perf_counter() - t0) / 4)
     peak = 2 * n**3 / best
-    if use_cache:
+    busy = device.type == "cpu" and hasattr(os, "getloadavg") and os.getloadavg()[0] > (os.cpu_count() or 1)
+    if use_cache and not busy:  # a peak measured on a shared, loaded CPU is too low to keep
         try:
             CACHE.parent.mkdir(parents=True, exist_ok=True)
             cache[key] = peak
