@@ -15,7 +15,7 @@ from glm5.train.data import SyntheticData
 from glm5.train.trainer import Trainer
 
 MODEL = {"vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "intermediate_size": 96,
-         "moe_intermediate_size": 24, "block_position_embedding": True}
+         "moe_intermediate_size": 24, "block_position_embedding": True, "pad_token_id": 0, "eos_token_id": [1]}
 
 
 def make(run_dir, steps=6, data=None, **sections):
@@ -174,3 +174,14 @@ def test_kill_9_during_checkpointing_leaves_a_loadable_checkpoint(tmp_path):
     resumed = make(tmp_path, steps=100000, checkpoint={"resume": "auto"})
     assert resumed.step == int(latest.name.split("_")[1]) and resumed.step >= 2
     resumed.train_step()
+
+
+def test_final_model_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    t = make(tmp_path, steps=2, model={"overrides": {**MODEL, "block_position_embedding": False}})
+    t.fit()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    ids = torch.randint(0, 96, (2, 10))
+    t.raw_model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, t.raw_model(ids).logits, rtol=1e-4, atol=1e-4)
