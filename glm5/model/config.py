@@ -159,6 +159,11 @@ class ModelConfig:
              "must be > 0 (or null for dropless)")
         need(0.0 <= self.expert_dropout < 1.0, "expert_dropout", "must be in [0, 1)")
         need(self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers", "must be >= 0")
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            ids = getattr(self, key)
+            ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+            need(all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids), key,
+                 f"token ids must be integers in [0, vocab_size={self.vocab_size})")
         rp = self.rope_parameters
         need(isinstance(rp, dict) and "rope_theta" in rp, "rope_parameters", "needs a 'rope_theta' entry")
         need(rp.get("rope_type", "default") == "default", "rope_parameters",

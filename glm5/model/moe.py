@@ -75,7 +75,8 @@ class Experts(nn.Module):
         xs = x[token]  # [M, H]
         ys = grouped_swiglu(xs, self.gate_up_proj, self.down_proj, counts)  # [M, H]
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        # accumulate in the experts' output dtype (bf16 under autocast while x may be fp32)
+        return torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, ys)
 
     def forward_reference(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Plain per-expert loop (the oracle for tests; transformers' formulation)."""
