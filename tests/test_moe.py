@@ -31,11 +31,11 @@ def test_grouped_equals_reference_forward_and_backward():
         assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_skewed_routing_takes_the_split_path_and_matches():
+def test_grouped_swiglu_matches_reference_balanced_and_skewed():
     from glm5.model.moe import grouped_swiglu
     m = _moe(n_routed_experts=8)
     xs = torch.randn(40, 64, requires_grad=True)
-    for counts in (torch.tensor([5] * 8), torch.tensor([33, 1, 1, 1, 1, 1, 1, 1])):  # padded / split path
+    for counts in (torch.tensor([5] * 8), torch.tensor([33, 0, 1, 1, 1, 2, 1, 1])):
         y = grouped_swiglu(xs, m.experts.gate_up_proj, m.experts.down_proj, counts)
         e = torch.repeat_interleave(torch.arange(8), counts)
         ref = torch.stack([m.experts.forward_reference(xs[i:i + 1], e[i:i + 1, None], torch.ones(1, 1))[0]
