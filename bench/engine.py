@@ -117,30 +117,77 @@ def timed(fn, *a) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def decode_tok_s(run_n, n: int) -> tuple[float, float]:
-    """Decode tokens/s (wall, CPU) from the difference of an (n+1)-token and a 1-token generation."""
-    run_n(1)  # warm-up
-    short = timed(run_n, 1)
-    long = timed(run_n, n + 1)
-    return n / (long[0] - short[0]), n / (long[1] - short[1])
+def stamp() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def rate(n: int, t0, t1) -> tuple[float, float]:
+    """n tokens between two stamps -> (tokens per wall second, tokens per CPU second)."""
+    return n / (t1[0] - t0[0]), n / (t1[1] - t0[1])
 
 
 def engine_decode_tok_s(model, prompt, n: int, **kw) -> tuple[float, float]:
-    return decode_tok_s(lambda k: run_engine(engine_for(model, **kw), [prompt], k), n)
+    """n decode steps timed from the first generated token (the prefill step excluded)."""
+    engine = engine_for(model, **kw)
+    engine.add_request("d", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=n + 1,
+                                                                           ignore_eos=True))
+    engine.step()  # prefill + first token
+    t0 = stamp()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return rate(n, t0, stamp())
 
 
+@torch.inference_mode()
 def hf_decode_tok_s(hf, prompt, n: int) -> tuple[float, float]:
-    return decode_tok_s(lambda k: run_hf(hf, [prompt], k, 1), n)
+    """The same for transformers `generate`: a stopping criterion stamps every step."""
+    import transformers
+
+    class Stamps(transformers.StoppingCriteria):
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores, **kw):
+            self.t.append(stamp())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    st = Stamps()
+    hf.generate(torch.tensor([prompt]), max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False,
+                pad_token_id=0, eos_token_id=None, stopping_criteria=transformers.StoppingCriteriaList([st]))
+    return rate(n, st.t[0], st.t[-1])
+
+
+def alternate(fns: dict, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Run the measurements in turn, `rounds` times: the shared machine's load changes by the minute, so
+    a ratio is only meaningful between measurements taken next to each other (report per-round ratios)."""
+    out = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            out[k].append(fn())
+    return out
+
+
+def ratio_stats(a: list, b: list, i: int) -> dict:
+    """Median and range of the per-round ratios a/b of component i (0 wall, 1 CPU)."""
+    r = sorted(x[i] / y[i] for x, y in zip(a, b))
+    return {"median": r[len(r) // 2], "min": r[0], "max": r[-1]}
+
+
+def median(xs: list, i: int) -> float:
+    v = sorted(x[i] for x in xs)
+    return v[len(v) // 2]
 
 
 def bench_single_stream(model, hf, args) -> None:
     prompt = workload(1, 64, 64, seed=1)[0]
-    ours = engine_decode_tok_s(model, prompt, args.decode_tokens)
-    theirs = hf_decode_tok_s(hf, prompt, args.decode_tokens)
-    record("single_stream_decode", prompt_len=64, new_tokens=args.decode_tokens, glm5_tok_s=ours[0],
-           hf_tok_s=theirs[0], ratio=ours[0] / theirs[0], glm5_tok_per_cpu_s=ours[1], hf_tok_per_cpu_s=theirs[1],
-           ratio_cpu=ours[1] / theirs[1])
-    RESULTS["_fp32_decode"] = ours
+    res = alternate({"glm5": lambda: engine_decode_tok_s(model, prompt, args.decode_tokens),
+                     "hf": lambda: hf_decode_tok_s(hf, prompt, args.decode_tokens)}, args.rounds)
+    ours, theirs = res["glm5"], res["hf"]
+    record("single_stream_decode", prompt_len=64, new_tokens=args.decode_tokens, rounds=args.rounds,
+           glm5_tok_s=median(ours, 0), hf_tok_s=median(theirs, 0), ratio=ratio_stats(ours, theirs, 0),
+           glm5_tok_per_cpu_s=median(ours, 1), hf_tok_per_cpu_s=median(theirs, 1),
+           ratio_cpu=ratio_stats(ours, theirs, 1))
+    RESULTS["_fp32_decode"] = (median(ours, 0), median(ours, 1))
 
 
 def bench_kv(model) -> None:
@@ -159,10 +206,12 @@ def bench_int8(model, args) -> None:
            choice=dict(quant.KERNEL_CHOICE))
     qmodel = quant.quantize_model(copy.deepcopy(model))
     prompt = workload(1, 64, 64, seed=1)[0]
-    q = engine_decode_tok_s(qmodel, prompt, args.decode_tokens)
-    fp = engine_decode_tok_s(model, prompt, args.decode_tokens)  # again, next to the int8 run
-    record("int8_vs_fp32", fp32_decode_tok_s=fp[0], int8_decode_tok_s=q[0], speedup=q[0] / fp[0],
-           fp32_tok_per_cpu_s=fp[1], int8_tok_per_cpu_s=q[1], speedup_cpu=q[1] / fp[1],
+    res = alternate({"int8": lambda: engine_decode_tok_s(qmodel, prompt, args.decode_tokens),
+                     "fp32": lambda: engine_decode_tok_s(model, prompt, args.decode_tokens)}, args.rounds)
+    q, fp = res["int8"], res["fp32"]
+    record("int8_vs_fp32", rounds=args.rounds, fp32_decode_tok_s=median(fp, 0), int8_decode_tok_s=median(q, 0),
+           speedup=ratio_stats(q, fp, 0), fp32_tok_per_cpu_s=median(fp, 1), int8_tok_per_cpu_s=median(q, 1),
+           speedup_cpu=ratio_stats(q, fp, 1),
            fp32_weight_mb=quant.weight_bytes(model) / 2**20, int8_weight_mb=quant.weight_bytes(qmodel) / 2**20,
            memory_ratio=quant.weight_bytes(qmodel) / quant.weight_bytes(model))
     int8_quality(model, qmodel, args, "small_random")
@@ -292,6 +341,7 @@ def main() -> None:
     args.max_tokens, args.hf_batch = (8, 16) if q else (32, 64)
     args.decode_tokens, args.ppl_tokens = (8, 1024) if q else (64, 8192)
     args.train_steps = 20 if q else 300
+    args.rounds = 1 if q else 5
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt)
     only = set(args.only or ["kv", "single", "offline", "int8", "offload", "bandwidth"])
