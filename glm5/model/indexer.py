@@ -80,13 +80,19 @@ def dsa_topk(indexer: Indexer, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor
     c = _chunk_size(indexer.n_heads, S, B)
     for q0 in range(0, T, c):
         q1 = min(T, q0 + c)
-        sc = indexer.scores(q[:, q0:q1], w[:, q0:q1], k)  # [B, c, S]
-        allowed = mask.rows(q0, q1, S, q.device)
+        # causal: keys past the chunk's last query can never be selected, so they are not scored
+        s_end = min(S, mask.q_offset + q1) if mask.causal else S
+        sc = indexer.scores(q[:, q0:q1], w[:, q0:q1], k[:, :s_end])  # [B, c, s_end]
+        allowed = mask.rows(q0, q1, s_end, q.device)
         if allowed is not None:
             sc = sc.masked_fill(~allowed, float("-inf"))
-        top = sc.topk(K, dim=-1)
-        idx_out[:, q0:q1] = top.indices
-        valid_out[:, q0:q1] = top.values > float("-inf")
+        kk = min(K, s_end)
+        top = sc.topk(kk, dim=-1)
+        idx_out[:, q0:q1, :kk] = top.indices
+        valid_out[:, q0:q1, :kk] = top.values > float("-inf")
+        if kk < K:  # rows that see fewer than K keys: pad with invalid entries
+            idx_out[:, q0:q1, kk:] = 0
+            valid_out[:, q0:q1, kk:] = False
     return idx_out, valid_out
 
 
