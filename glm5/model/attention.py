@@ -171,7 +171,9 @@ def sparse_latent_attention(qq: torch.Tensor, lat: torch.Tensor, idx: torch.Tens
     idx/valid [B, c, K] -> latent output [B, c, H, R] (softmax over the K selected keys, fp32).
     """
     B, c, K = idx.shape
-    g = lat.gather(1, idx.reshape(B, c * K, 1).expand(-1, -1, lat.shape[-1])).view(B, c, K, -1)  # [B, c, K, R+P]
+    S = lat.shape[1]
+    rows = (idx + torch.arange(B, device=idx.device)[:, None, None] * S).reshape(-1)  # flat key rows
+    g = lat.reshape(B * S, -1).index_select(0, rows).view(B, c, K, -1)  # [B, c, K, R+P]
     s = torch.matmul(qq, g.transpose(-1, -2)).float() * scale  # [B, c, H, K]
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).to(g.dtype)

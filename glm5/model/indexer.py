@@ -59,8 +59,12 @@ class Indexer(nn.Module):
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Index scores [B, c, S] for queries q [B, c, N, D], weights w [B, c, N], keys k [B, S, D]."""
-        s = torch.einsum("bcnd,bsd->bcns", q, k) * self.head_dim ** -0.5  # [B, c, N, S]
-        return torch.einsum("bcn,bcns->bcs", w, F.relu(s))
+        B, c, N, D = q.shape
+        S = k.shape[1]
+        s = torch.matmul(q.reshape(B, c * N, D), k.transpose(1, 2)).relu_()  # [B, c*N, S]
+        # relu(x * a) = relu(x) * a for a > 0: the 1/sqrt(D) scale rides on the head weights
+        w = (w * D ** -0.5).reshape(B * c, 1, N)
+        return torch.bmm(w, s.view(B * c, N, S)).view(B, c, S)
 
 
 def _chunk_size(n_heads: int, num_keys: int, batch: int) -> int:
