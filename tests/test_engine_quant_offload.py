@@ -121,3 +121,17 @@ def test_expert_cache_lru_and_offload_swap(checkpoint):
     assert torch.equal(gate_up, m.model.layers[layer].mlp.experts.gate_up_proj[3])
     ex.set_expert(3, {"down": torch.ones_like(down)})
     assert torch.equal(ex.expert(3)[1], torch.ones_like(down))
+
+
+def test_inference_experts_bitwise_equal_model_experts():
+    """The engine's expert loop (and its one-token fast path) sums in the model's order: same bits."""
+    from glm5.infer.experts import InferenceExperts
+    m = tiny_model(seed=8)
+    moe = m.model.layers[1].mlp
+    fast = InferenceExperts(moe.experts)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n in (1, 1, 1, 7):
+            x = torch.randn(n, m.config.hidden_size, generator=g)
+            _, _, w, idx = moe.gate(x)
+            assert torch.equal(fast(x, idx, w), moe.experts(x, idx, w))

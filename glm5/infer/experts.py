@@ -71,6 +71,12 @@ def expert_loop(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep,
     """Routed-expert output [N, H] for x [N, H], idx/weights [N, A]: tokens sorted by expert, then
     `ffn(e, rows [n, H]) -> [n, H]` once per expert that received tokens (the inference hot path:
     contiguous slices, no per-expert views of unused experts)."""
+    if x.shape[0] == 1 and keep is None:  # one token (batch-1 decode): no sort, same summation order
+        out = torch.zeros_like(x)  # [1, H]
+        w = weights[0].tolist()
+        for a, e in sorted(enumerate(idx[0].tolist()), key=lambda ae: ae[1]):
+            out += ffn(e, x) * w[a]  # w[a] came from fp32: the product is the one the sorted path forms
+        return out
     order, token, counts = sort_by_expert(idx, n_experts, keep)
     xs = x[token]  # [M, H]
     outs, start = [], 0

@@ -55,6 +55,7 @@ class AttnGroup:
     key_slots: torch.Tensor  # [B, S] cache slot of each key position (padding: 0)
     allowed: torch.Tensor  # [B, T, S] bool: causal and inside the sequence
     needs_selection: bool  # some sequence has more than index_topk keys
+    is_identity: bool = False  # one group holding every token in order: outputs need no scatter
 
 
 @dataclass
@@ -109,8 +110,9 @@ def _group(meta: AttnMetadata, members: list[int], block_size: int, index_topk: 
         key_slots[b, : c.context_len] = slots_for(c.block_ids, 0, c.context_len, block_size)
     allowed = torch.arange(S)[None, None, :] <= qpos[:, :, None]  # [B, T, S]; padded rows see key 0 only
     allowed &= q_valid[:, :, None] | (torch.arange(S) == 0)[None, None, :]
+    identity = B == 1 and T == meta.num_tokens  # single sequence, all of the step's tokens
     return AttnGroup(members, q_index.to(device), q_valid.to(device), key_slots.to(device), allowed.to(device),
-                     needs_selection=S > index_topk)
+                     needs_selection=S > index_topk, is_identity=identity)
 
 
 def dense_latent_attention(qq: torch.Tensor, lat: torch.Tensor, allowed: torch.Tensor, kv_rank: int,
@@ -119,6 +121,11 @@ def dense_latent_attention(qq: torch.Tensor, lat: torch.Tensor, allowed: torch.T
     B, T, H, W = qq.shape
     S = lat.shape[1]
     step = max(1, SCORE_BYTES // max(1, B * H * S * 4))
+    if step >= T:  # the common case: one block of queries
+        s = torch.matmul(qq.reshape(B, T * H, W), lat.transpose(1, 2)).float() * scale  # [B, T*H, S]
+        s = s.view(B, T, H, S).masked_fill(~allowed[:, :, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(lat.dtype).view(B, T * H, S)
+        return torch.matmul(p, lat[..., :kv_rank]).view(B, T, H, kv_rank)  # [B, T, H, R]
     outs = []
     for t0 in range(0, T, step):
         q = qq[:, t0:t0 + step]

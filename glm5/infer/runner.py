@@ -88,7 +88,7 @@ class ModelRunner:
         if attn.indexer is not None and any(g.needs_selection for g in meta.groups):
             qi, wi = attn.indexer.project_q(xn, q_resid, cos, sin)
             qi, wi = qi[0], wi[0]  # [N, I, D], [N, I]
-        o_lat = qq.new_zeros(qq.shape[0], qq.shape[1], self.cfg.kv_lora_rank)  # [N, h, R]
+        o_lat = None if meta.groups[0].is_identity else qq.new_zeros(qq.shape[0], qq.shape[1], self.cfg.kv_lora_rank)
         for g_id, group in enumerate(meta.groups):
             sel = None
             if group.needs_selection:
@@ -99,7 +99,10 @@ class ModelRunner:
                     raise ValueError(f"layer {attn.layer_idx} shares a top-k selection nobody produced")
                 sel = sels[g_id]
             o = attend_group(self.cache, cache_layer, group, qq, sel, attn.scale)  # [B, T, h, R]
-            o_lat[group.q_index[group.q_valid]] = o[group.q_valid]
+            if group.is_identity:
+                o_lat = o[0]  # [N, h, R]: the group is the whole step, in order
+            else:
+                o_lat[group.q_index[group.q_valid]] = o[group.q_valid]
         h = x + attn.latent_to_output(o_lat)[None]
         return h + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
 
