@@ -36,18 +36,20 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="glm5 quickstart", description=__doc__.split("\n")[0])
     ap.add_argument("--skip-data", action="store_true", help="reuse runs/data from an earlier run")
     ap.add_argument("--run-dir", default="runs/tiny", help="training output directory")
+    ap.add_argument("--data-dir", default="runs/data", help="where cleaned documents and token shards go")
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens generated per prompt at the end")
     args, overrides = ap.parse_known_args(argv)
     if not (Path.cwd() / "configs").is_dir():  # the configs use paths relative to the repository root
         os.chdir(REPO)
-    clean = Path("runs/data/clean")
-    tokens = Path("runs/data/tokens")
+    clean = Path(args.data_dir) / "clean"
+    tokens = Path(args.data_dir) / "tokens"
     if not args.skip_data:
-        _step("clean", ["data", "run", "--config", "configs/data/default.toml"])
+        _step("clean", ["data", "run", "--config", "configs/data/default.toml", f"--run.output_dir=\"{clean}\""])
         if not (tokens / "train").is_dir() or not (tokens / "validation").is_dir():
             _step("tokenize", ["data", "tokenize", "--config", "configs/data/tokenize.toml",
-                               f"--splits.train=[\"{clean / 'data'}\"]"])
-    _step("train", ["train", "--config", "configs/train/tiny.toml", f"--log.run_dir={args.run_dir}",
+                               f"--output=\"{tokens}\"", f"--splits.train=[\"{clean / 'data'}\"]"])
+    _step("train", ["train", "--config", "configs/train/tiny.toml", f"--log.run_dir=\"{args.run_dir}\"",
+                    f"--data.train_path=\"{tokens / 'train'}\"", f"--data.val_path=\"{tokens / 'validation'}\"",
                     "--resume=auto", *overrides])
     final = Path(args.run_dir) / "final"
     for prompt in PROMPTS:
