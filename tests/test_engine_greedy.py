@@ -17,13 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 MODEL_KW = dict(index_topk=6, num_hidden_layers=4, index_topk_freq=2, index_skip_topk_offset=1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The shared 2-core machine is oversubscribed: intra-op threads spin and run ~50x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

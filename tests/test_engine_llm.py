@@ -10,12 +10,7 @@ from glm5.infer.sampling import SamplingParams
 from ._tiny import tiny_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the shared machine is oversubscribed; spinning threads are ~50x slower
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

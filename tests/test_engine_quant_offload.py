@@ -18,12 +18,7 @@ from ._tiny import tiny_model
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the shared machine is oversubscribed; spinning threads are ~50x slower
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(engine, prompts, params=GREEDY):
