@@ -11,7 +11,7 @@ from glm5.train.indexer_warmup import (AttnCapture, attention_target, indexer_kl
 from glm5.train.step import MODEL_KEYS
 
 CFG = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
-           index_topk=4, num_nextn_predict_layers=0)
+           index_topk=4, num_nextn_predict_layers=0, pad_token_id=0, eos_token_id=[1])
 
 
 def _model(**kw):
