@@ -98,6 +98,9 @@ class Experts(nn.Module):
         return torch.einsum("enh,ne->nh", y, probs.to(y.dtype))
 
 
+_GROUPED_MM_OK: dict = {}  # per CUDA device: does torch._grouped_mm run here (sm90+ in torch 2.13)?
+
+
 def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    counts: torch.Tensor) -> torch.Tensor:
     """SwiGLU over expert-sorted rows xs [M, H] with counts [E] rows per expert -> [M, H].
@@ -108,11 +111,14 @@ def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     for 1024 tokens x top-4 over 64 experts; `python bench/model.py moe`), since padding to the busiest
     expert wastes work; the bmm only wins when the cores are oversubscribed.
     """
-    if xs.is_cuda and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = counts.cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+    if xs.is_cuda and xs.dtype == torch.bfloat16 and _GROUPED_MM_OK.get(xs.device.index, True):
+        try:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+            gate, up = h.chunk(2, dim=-1)
+            return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+        except (RuntimeError, AttributeError):  # GPU/shape the kernel does not support: loop instead
+            _GROUPED_MM_OK[xs.device.index] = False
     # split/unbind (not slicing/indexing): backward then assembles each gradient in one allocation
     # instead of a full-size zero gradient per expert.
     parts = xs.split(counts.tolist())
