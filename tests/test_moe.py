@@ -1,5 +1,6 @@
 """Grouped MoE vs the per-expert loop, routing rules, and the seeds' routing options."""
 
+import pytest
 import torch
 
 from glm5.model.moe import MoE
@@ -115,3 +116,14 @@ def test_stats_count_tokens_per_expert():
     _, stats = m(torch.randn(2, 9, 64))
     assert stats["tokens_per_expert"].sum() == 2 * 9 * 2
     assert stats["router_logits"].dtype == torch.float32 and stats["router_logits"].shape == (18, 8)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_grouped_mm_matches_reference():
+    m = _moe(n_routed_experts=16, num_experts_per_tok=4).cuda().to(torch.bfloat16)
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        _, _, w, idx = m.gate(x)
+        fast = m.experts(x, idx, w)
+        ref = m.experts.forward_reference(x, idx, w)
+    assert (fast.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
