@@ -19,6 +19,7 @@ import torch
 from glm5.core.io import LazyTensors, safetensors_files, save_sharded
 
 from .config import ModelConfig
+from .layers import rope_inv_freq
 from .model import GLM5ForCausalLM
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -168,7 +169,6 @@ def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> GLM5ForC
         model = GLM5ForCausalLM(cfg)
     model.to_empty(device=device)
     cast_model(model, dtype)
-    from .layers import rope_inv_freq
     model.model.inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta))
     return model
 

@@ -144,13 +144,12 @@ class GLM5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 block_position_ids: torch.Tensor | None = None, return_mtp: bool = False,
-                mtp_input_ids: torch.Tensor | None = None, labels=None, logits_to_keep: int = 0) -> ModelOutput:
+                mtp_input_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> ModelOutput:
         """input_ids [B, T]; position_ids [B, T] (default arange); segment_ids [B, T] (packed documents);
         attention_mask [B, T, T] bool (True = may attend; replaces causal order, e.g. blank infilling) or
         [B, T] 0/1 padding mask; block_position_ids [B, T] (GLM 2D positions). With return_mtp, also MTP
         logits where position t predicts token t+2 from h_t and token t+1 (`mtp_input_ids`, default
-        input_ids shifted left by one). `labels` is accepted for API symmetry and ignored (losses live in
-        glm5.train)."""
+        input_ids shifted left by one). Losses live in glm5.train, not here."""
         cfg = self.config
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)
