@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from glm5.train.data import DataSource, SyntheticData
 
 MODEL = {"vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "intermediate_size": 96,
-         "moe_intermediate_size": 24}
+         "moe_intermediate_size": 24, "pad_token_id": 0, "eos_token_id": [1]}
 STEPS, WORLD = 4, 2
 
 
