@@ -172,3 +172,19 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides=()) -> T
 
 def save_json(obj: Any, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_dict(obj), indent=2, sort_keys=False) + "\n")
+
+
+def load_cli_config(cls: type[T], argv: list[str] | None, prog: str, description: str = "",
+                    example: str = "") -> T:
+    """`--config FILE [--section.key=value ...]` -> `cls`; a bad file or key exits 2 with one clear line."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("--config", default=None, help=f"TOML file{f' (see {example})' if example else ''}")
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        return load_config(cls, args.config, overrides)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -9,15 +9,13 @@ Run: `glm5 data tokenize --config configs/data/tokenize.toml`.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glm5.core.config import ConfigError, load_config, to_dict
+from glm5.core.config import load_cli_config, to_dict
 from glm5.core.io import atomic_dir
 from glm5.data.shards import ShardWriter
 from glm5.data.tokenizer import GLMTokenizer, load_tokenizer
@@ -113,13 +111,7 @@ def run(cfg: TokenizeConfig) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="glm5 data tokenize", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="TOML file (see configs/data/tokenize.toml)")
-    args, overrides = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(TokenizeConfig, args.config, overrides)
-    except ConfigError as e:
-        print(f"glm5 data tokenize: {e}", file=sys.stderr)
-        return 2
+    cfg = load_cli_config(TokenizeConfig, argv, "glm5 data tokenize", __doc__.splitlines()[0],
+                          "configs/data/tokenize.toml")
     print(json.dumps(run(cfg), ensure_ascii=False))
     return 0

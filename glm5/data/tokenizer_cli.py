@@ -9,18 +9,16 @@ that everything fits inside `vocab_size`. The default config reproduces the ship
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from glm5.core.config import ConfigError, load_config, to_dict
+from glm5.core.config import load_cli_config, to_dict
 from glm5.core.io import atomic_dir
 from glm5.data.tokenizer import PREFIX_TOKENS, SPECIAL_TOKENS, GLMTokenizer
 
@@ -126,14 +124,8 @@ def train_tokenizer(cfg: TokenizerTrainConfig, texts=None) -> GLMTokenizer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="glm5 data tokenizer", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="TOML file (see configs/data/tokenizer.toml)")
-    args, overrides = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(TokenizerTrainConfig, args.config, overrides)
-    except ConfigError as e:
-        print(f"glm5 data tokenizer: {e}", file=sys.stderr)
-        return 2
+    cfg = load_cli_config(TokenizerTrainConfig, argv, "glm5 data tokenizer", __doc__.splitlines()[0],
+                          "configs/data/tokenizer.toml")
     tokenizer = train_tokenizer(cfg)
     with atomic_dir(cfg.output) as tmp:
         tokenizer.save(tmp)
