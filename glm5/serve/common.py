@@ -155,3 +155,10 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def chain(first, rest: AsyncIterator):
+    """Yield `first`, then everything from `rest` (re-attach a peeked first item to a stream)."""
+    yield first
+    async for item in rest:
+        yield item

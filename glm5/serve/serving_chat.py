@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import jinja2
 from fastapi.responses import StreamingResponse
 
-from glm5.serve.common import (APIError, ServerState, logprob_of, max_tokens_for, sampling_params, sse,
+from glm5.serve.common import (APIError, ServerState, chain, logprob_of, max_tokens_for, sampling_params, sse,
                                token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
 from glm5.serve.parsers.tool_glm import TOOL_OPEN
@@ -191,7 +191,7 @@ class _ChatJob:
         return [(self.choices[c.index], self.choices[c.index].feed(c, self.top_k)) for c in out.outputs]
 
     async def collect(self, first, rest) -> dict:
-        async for out in _chain(first, rest):
+        async for out in chain(first, rest):
             self._feed(out)
         choices = [{"index": ch.index, "message": ch.message(),
                     "logprobs": {"content": ch.logprobs} if self.top_k is not None else None,
@@ -203,7 +203,7 @@ class _ChatJob:
         yield sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None} for ch in self.choices]))
         try:
-            async for out in _chain(first, rest):
+            async for out in chain(first, rest):
                 chunk = []
                 for ch, d in self._feed(out):
                     if d["delta"] or d["finished"] or d["logprobs"]:
@@ -220,9 +220,3 @@ class _ChatJob:
         except Exception as e:  # engine died mid-stream: say so instead of cutting the stream
             yield sse(APIError(500, f"{type(e).__name__}: {e}", "internal_server_error").body())
         yield sse("[DONE]")
-
-
-async def _chain(first, rest: AsyncIterator):
-    yield first
-    async for item in rest:
-        yield item

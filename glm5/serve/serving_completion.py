@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from glm5.serve.common import (APIError, ServerState, logprob_of, max_tokens_for, merge_streams,
+from glm5.serve.common import (APIError, ServerState, chain, logprob_of, max_tokens_for, merge_streams,
                                sampling_params, sse, token_str, top_entries)
 from glm5.serve.protocol import CompletionRequest, Usage, now
 
@@ -145,7 +145,7 @@ class _Job:
     async def collect(self, first, merged) -> dict:
         texts: dict[int, list] = {}
         version = self.version(first)
-        async for p, out in _chain(first, merged):
+        async for p, out in chain(first, merged):
             self.final[p] = out
             for c in out.outputs:
                 choice, text, lp = self._delta(p, out, c)
@@ -162,7 +162,7 @@ class _Job:
     async def stream(self, first, merged) -> AsyncIterator[str]:
         version = self.version(first)
         try:
-            async for p, out in _chain(first, merged):
+            async for p, out in chain(first, merged):
                 self.final[p] = out
                 choices = []
                 for c in out.outputs:
@@ -180,9 +180,3 @@ class _Job:
         except Exception as e:  # engine died mid-stream: tell the client instead of cutting the stream
             yield sse(APIError(500, f"{type(e).__name__}: {e}", "internal_server_error").body())
         yield sse("[DONE]")
-
-
-async def _chain(first, rest: AsyncIterator):
-    yield first
-    async for item in rest:
-        yield item
