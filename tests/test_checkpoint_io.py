@@ -97,3 +97,30 @@ def test_fp8_checkpoint_loads_dequantised(ckpt):
     with torch.no_grad():
         a, b = m(x).logits, ref(x).logits
     assert (a - b).abs().mean() < 0.1 * b.abs().mean()  # close to the unquantised original
+
+
+def test_convert_streams_fp8_to_bf16_shards(ckpt, tmp_path):
+    from glm5.cli.convert import main as convert_main
+
+    ref = from_pretrained(ckpt)
+
+    def to_fp8(t):
+        for name in list(t):
+            if name.endswith("up_proj.weight"):
+                q, s = quantize_fp8(t[name], (16, 16))
+                t[name], t[name + "_scale_inv"] = q, s
+
+    _edit(ckpt, to_fp8)
+    d = json.loads((ckpt / "config.json").read_text())
+    d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    (ckpt / "config.json").write_text(json.dumps(d))
+    out = tmp_path / "converted"
+    assert convert_main([str(ckpt), str(out), "--dtype", "float32", "--max-shard-size", "300KB"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    assert not any("scale_inv" in k for k in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+    m = from_pretrained(out)
+    stored = load_file(ckpt / "model.safetensors")
+    w = stored["model.layers.2.mlp.experts.1.up_proj.weight"]
+    expect = dequantize_fp8(w, stored["model.layers.2.mlp.experts.1.up_proj.weight_scale_inv"], (16, 16))
+    assert torch.equal(m.model.layers[2].mlp.experts.gate_up_proj[1, 32:], expect)
+    assert torch.equal(m.model.layers[1].self_attn.q_b_proj.weight, ref.model.layers[1].self_attn.q_b_proj.weight)

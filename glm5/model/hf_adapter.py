@@ -200,3 +200,58 @@ def save_pretrained(model: GLM5ForCausalLM, path: str | Path, max_shard_size: in
     (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
     gen = {k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if d.get(k) is not None}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype | None = torch.bfloat16,
+                       max_shard_size: int | str = "5GB") -> dict:
+    """Stream a HF checkpoint into a new directory: FP8 block-scaled weights dequantised, everything cast
+    to `dtype` (fp32-kept tensors stay fp32), re-sharded. Memory stays at about one output shard, so
+    a 744B FP8 checkpoint converts on a machine that could never hold the model."""
+    from glm5.core.io import parse_size
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    cfg = ModelConfig.from_pretrained(src)
+    reader = _Reader(LazyTensors(safetensors_files(src)), cfg)
+    dst.mkdir(parents=True, exist_ok=True)
+    limit, shard, size, names = parse_size(max_shard_size), {}, 0, []
+    weight_map: dict[str, int] = {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            names.append(f"part-{len(names)}.safetensors")
+            save_file(shard, str(dst / names[-1]), metadata={"format": "pt"})
+            weight_map.update({k: len(names) - 1 for k in shard})
+            shard, size = {}, 0
+
+    for name in sorted(reader.t.keys()):
+        if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in reader.t:
+            continue  # consumed with its weight
+        t = reader.get(name)
+        if dtype is not None and t.is_floating_point() and not name.endswith(FP32_SUFFIXES):
+            t = t.to(dtype)
+        n = t.numel() * t.element_size()
+        if shard and size + n > limit:
+            flush()
+        shard[name] = t.contiguous()
+        size += n
+    flush()
+    final = ["model.safetensors"] if len(names) == 1 else [
+        f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]
+    for old, new in zip(names, final):
+        (dst / old).rename(dst / new)
+    if len(final) > 1:
+        total = sum((dst / f).stat().st_size for f in final)
+        index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    d = cfg.to_dict()
+    d.pop("quantization_config", None)
+    if dtype is not None:
+        d["dtype"] = str(dtype).replace("torch.", "")
+    (dst / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                  "special_tokens_map.json"):
+        if (src / extra).is_file():
+            (dst / extra).write_bytes((src / extra).read_bytes())
+    return {"tensors": len(weight_map), "files": final}
