@@ -57,3 +57,11 @@ def test_model_has_no_io_or_dist():
             if mod.startswith(("torch.distributed", "argparse", "safetensors", "glm5.core.io")):
                 bad.append(f"{path.name} imports {mod}")
     assert not bad, bad
+
+
+def test_every_cli_command_has_a_module_with_main():
+    import importlib
+
+    from glm5.cli.main import COMMANDS
+    for name, (module, _) in COMMANDS.items():
+        assert callable(importlib.import_module(f"glm5.cli.{module}").main), name
