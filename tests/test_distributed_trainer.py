@@ -94,6 +94,12 @@ def test_trainer_fsdp_ep_matches_single_process_and_resumes_exactly(tmp_path):
     _spawn(tmp_path / "resumed", resume=str(ckpt))
     resumed = json.loads((tmp_path / "resumed" / "losses_resumed.json").read_text())
     assert resumed == losses[2:]
+    # the same DCP checkpoint resumes in one process on the whole batch (another world size)
+    one = make_trainer(tmp_path / "one", SyntheticData(96, 4, 24, seed=1), resume=str(ckpt))
+    assert one.step == 2
+    one.fit()
+    tail = [h["loss"] for h in one.history]
+    assert max(abs(a - b) for a, b in zip(tail, losses[2:])) < 1e-5 and len(tail) == 2, (tail, losses)
     # final/ holds the trained weights in HF layout, equal to the single-process run's
     final = from_pretrained(tmp_path / "dist" / "final", dtype=torch.float32).state_dict()
     for k, v in single.raw_model.state_dict().items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from glm5.core import dist
 from glm5.data.loader import PackedLoader, eval_batches
 from glm5.data.tokenizer import load_tokenizer
 
@@ -45,6 +46,12 @@ class LoaderData(DataSource):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if (state.get("rank"), state.get("world_size")) != (self.rank, self.world):
+            # resumed at another world size: weights and optimizer carry over, the data position cannot
+            # (each rank's document order depends on rank and world); the loader starts its epoch anew
+            dist.print0(f"data: checkpoint written at world size {state.get('world_size')}, now {self.world}: "
+                        "data order restarts")
+            return
         self.loader.load_state_dict(state)
 
     def save_tokenizer(self, directory: Path) -> None:

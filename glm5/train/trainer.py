@@ -131,9 +131,12 @@ class Trainer:
         return {"guard": self.guard.state_dict(), "data": self.data.state_dict(), "unigram": self.unigram}
 
     def _load(self, path: Path) -> None:
-        if self.distributed:
+        if (path / "dcp").is_dir():  # written by torchrun: DCP reshards to any world size, 1 included
             from .parallel_ckpt import load_train_checkpoint
             state = load_train_checkpoint(path, self.model, self.optimizer)
+        elif self.distributed:
+            raise ValueError(f"{path} is a single-process checkpoint (no dcp/); resume it with one process, "
+                             "or start the distributed run from its weights: --model.name=PATH/model")
         else:
             state = load_checkpoint(path, self.raw_model, self.optimizer)
         self.step = int(state["step"])
