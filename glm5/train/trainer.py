@@ -337,7 +337,8 @@ class Trainer:
                 m = self.train_step()
                 dt = time.perf_counter() - t0
                 m["tokens_per_s"] = m["tokens"] * dist.world_size() / dt
-                m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops)
+                # tokens/s is global, so the peak is one device's times the number of ranks
+                m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops * dist.world_size())
                 self.history.append({"step": self.step, **{k: v for k, v in m.items() if k != "expert_load"}})
                 self._log(writer, bar, m)
                 if cfg.log.eval_every and self.step % cfg.log.eval_every == 0 and self.step < cfg.train.steps:
