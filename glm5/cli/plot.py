@@ -55,7 +55,7 @@ def _expert_plot(plt, recs, path: Path) -> bool:
     steps = [r["step"] for r in loads]
     per_layer = list(zip(*[r["moe_imbalance_per_layer"] for r in loads]))
     for i, ys in zip(layers, per_layer):
-        ax2.plot(steps, ys, label=f"layer {i}")
+        ax2.plot(steps, ys, marker="o" if len(steps) < 3 else None, label=f"layer {i}")
     ax2.set_xlabel("step")
     ax2.set_title("max / mean tokens per expert (1 = balanced)")
     ax2.legend(fontsize=7)
