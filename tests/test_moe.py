@@ -127,3 +127,17 @@ def test_cuda_bf16_grouped_mm_matches_reference():
         fast = m.experts(x, idx, w)
         ref = m.experts.forward_reference(x, idx, w)
     assert (fast.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_grouped_mm_trains_fp32_masters():
+    m = _moe(n_routed_experts=16, num_experts_per_tok=4).cuda()  # fp32 master weights
+    x = torch.randn(200, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, _ = m(x[None])
+    y.float().sum().backward()
+    assert m.experts.gate_up_proj.grad is not None and m.experts.gate_up_proj.grad.dtype == torch.float32
+    with torch.no_grad():
+        m.use_reference = True
+        ref, _ = m(x[None])
+    assert (y.float() - ref).abs().max() <= 5e-2 * ref.abs().max()

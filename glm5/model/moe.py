@@ -111,12 +111,15 @@ def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     for 1024 tokens x top-4 over 64 experts; `python bench/model.py moe`), since padding to the busiest
     expert wastes work; the bmm only wins when the cores are oversubscribed.
     """
-    if xs.is_cuda and xs.dtype == torch.bfloat16 and _GROUPED_MM_OK.get(xs.device.index, True):
-        try:
+    bf16 = xs.dtype == torch.bfloat16 or (xs.is_cuda and torch.is_autocast_enabled("cuda")
+                                         and torch.get_autocast_dtype("cuda") == torch.bfloat16)
+    if xs.is_cuda and bf16 and _GROUPED_MM_OK.get(xs.device.index, True):
+        try:  # under bf16 autocast the fp32 master weights are cast here, as autocast casts F.linear's
+            xs16, gu16, dn16 = xs.to(torch.bfloat16), gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
             offs = counts.cumsum(0).to(torch.int32)
-            h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+            h = torch._grouped_mm(xs16, gu16.transpose(-2, -1), offs=offs)  # [M, 2I]
             gate, up = h.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(gate) * up, dn16.transpose(-2, -1), offs=offs)
         except (RuntimeError, AttributeError):  # GPU/shape the kernel does not support: loop instead
             _GROUPED_MM_OK[xs.device.index] = False
     # split/unbind (not slicing/indexing): backward then assembles each gradient in one allocation
