@@ -123,13 +123,11 @@ class GLM5ForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> "GLM5ForCausalLM":
         """normal(0, initializer_range) for every matrix and expert, ones for norms, zeros for biases."""
-        gen = torch.Generator(device="cpu")
-        if seed is not None:
-            gen.manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = self.config.initializer_range
         for name, p in self.named_parameters():
             if p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen if seed is not None else None) * std)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif name.endswith(".bias"):
                 p.zero_()
             else:
