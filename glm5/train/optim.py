@@ -112,6 +112,14 @@ def muon_lr_scale(shape: torch.Size, mode: str) -> float:
     return 1.0
 
 
+
+def _closure_loss(closure):
+    """The optimizer-step closure contract: re-evaluate the loss with grad enabled, if one is given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
 class Muon(torch.optim.Optimizer):
     """Muon on groups with `use_muon=True`, AdamW on the others (one optimizer, one state_dict).
 
@@ -128,10 +136,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             (self._muon_group if group["use_muon"] else self._adamw_group)(group)
         return loss
@@ -185,10 +190,7 @@ class Lamb(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
