@@ -204,19 +204,18 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
 
+    async def respond(request: Request, body, work):
+        """Streams return their own response; a non-streaming request is aborted if the client leaves."""
+        result = await (work if body.stream else _until_disconnect(request, work))
+        return result if isinstance(result, Response) else _json_response(result)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        result = await _until_disconnect(request, create_completion(state, body, rid)) \
-            if not body.stream else await create_completion(state, body, rid)
-        return result if isinstance(result, Response) else _json_response(result)
+        return await respond(request, body, create_completion(state, body, f"cmpl-{uuid.uuid4().hex}"))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        result = await _until_disconnect(request, create_chat_completion(state, body, rid)) \
-            if not body.stream else await create_chat_completion(state, body, rid)
-        return result if isinstance(result, Response) else _json_response(result)
+        return await respond(request, body, create_chat_completion(state, body, f"chatcmpl-{uuid.uuid4().hex}"))
 
     _install_info_routes(app, state)
     _install_admin_routes(app, state)
