@@ -130,8 +130,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def test_chat_forced_tool_call_and_multi_turn(live):
-    """A named tool_choice prefills `<tool_call>name`: the random model's continuation is parsed into a
-    call named get_weather..., identically streamed and not; a multi-turn history with a tool result renders."""
+    """A named tool_choice prefills `<tool_call>name`; the random model never closes the call within 12
+    tokens, so (as with vLLM and SGLang) the response holds no call and no content: a call cut by
+    max_tokens is not a call. A multi-turn history with a tool result renders."""
     c = oai(live)
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
@@ -142,20 +143,14 @@ def test_chat_forced_tool_call_and_multi_turn(live):
                tool_choice={"type": "function", "function": {"name": "get_weather"}},
                extra_body={"ignore_eos": True})
     full = c.chat.completions.create(**req).choices[0]
-    calls = [(t.function.name, t.function.arguments) for t in full.message.tool_calls]
-    assert calls and calls[0][0].startswith("get_weather") and json.loads(calls[0][1]) is not None
+    assert full.finish_reason == "length" and not full.message.tool_calls and full.message.content is None
     assert full.message.reasoning_content is None  # the forced call closed the think block
-    streamed: dict[int, list] = {}
-    content = ""
+    names, content = [], ""
     for chunk in c.chat.completions.create(**req, stream=True):
         for ch in chunk.choices:
             content += ch.delta.content or ""
-            for t in ch.delta.tool_calls or []:
-                entry = streamed.setdefault(t.index, ["", ""])
-                entry[0] += t.function.name or ""
-                entry[1] += t.function.arguments or ""
-    assert [tuple(streamed[i]) for i in sorted(streamed)] == calls
-    assert (content or None) == full.message.content
+            names += [t.function.name for t in ch.delta.tool_calls or [] if t.function.name]
+    assert set(names) <= {"get_weather"} and content == ""  # nothing of the open call leaks into content
 
 
 def test_auth_and_errors_through_real_engine(live):

@@ -64,7 +64,7 @@ class _Choice:
         self.index, self.state = index, state
         use_reasoning = bool(state.config.reasoning_parser)
         self.reasoning = GLMReasoningParser(reasoning_open) if use_reasoning else None
-        self.tools = GLMToolParser(tools, forced=bool(forced)) if tools is not None else None
+        self.tools = GLMToolParser(tools) if tools is not None else None
         self.sent_text, self.sent_tokens = "", 0
         self.reasoning_text, self.content_text = "", ""
         self.logprobs: list[dict] = []

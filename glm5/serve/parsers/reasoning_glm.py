@@ -6,12 +6,16 @@ generation prompt with `<think>` when thinking is on (so the model's output has 
 parser then starts inside the reasoning block; an explicit leading `<think>` in the output is also
 accepted. This fixes the classic leak (F2) where a missing opener sent all reasoning into `content`.
 Rules: reasoning and content both drop their leading whitespace; output that ends before `</think>`
-is all reasoning. Streaming == non-streaming for every chunking.
+is all reasoning; a `<tool_call>` inside an open block ends the reasoning too (GLM sometimes calls a
+tool without closing its thinking; SGLang's GLM-4.5 detector and vLLM's GLM parser route it to
+content), and the tag itself starts the content so the tool parser sees it. Empty reasoning is None,
+never "". Streaming == non-streaming for every chunking.
 """
 
 from __future__ import annotations
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_CALL_TAG = "<tool_call>"  # ends an open reasoning block and stays in the content
 ASSISTANT_TAG = "<|assistant|>"
 
 
@@ -52,13 +56,17 @@ class GLMReasoningParser:
             else:
                 self.state = "reasoning" if self.start_in_reasoning else "content"
         if self.state == "reasoning":
-            idx = self.buf.find(THINK_CLOSE)
-            if idx >= 0:
-                reasoning = self._reasoning(self.buf[:idx])
-                self.buf = self.buf[idx + len(THINK_CLOSE):]
+            end, tool = self.buf.find(THINK_CLOSE), self.buf.find(TOOL_CALL_TAG)
+            if tool >= 0 and (end < 0 or tool < end):
+                reasoning = self._reasoning(self.buf[:tool])
+                self.buf = self.buf[tool:]
+                self.state = "content"
+            elif end >= 0:
+                reasoning = self._reasoning(self.buf[:end])
+                self.buf = self.buf[end + len(THINK_CLOSE):]
                 self.state = "content"
             else:
-                keep = _partial_suffix(self.buf, THINK_CLOSE)
+                keep = max(_partial_suffix(self.buf, THINK_CLOSE), _partial_suffix(self.buf, TOOL_CALL_TAG))
                 reasoning = self._reasoning(self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
         if self.state == "content":

@@ -1,27 +1,31 @@
-"""GLM tool-call parser (vLLM's `glm45`/`glm47` format), streaming and non-streaming from one state machine.
+"""GLM tool-call parser (vLLM's `glm45`/`glm47`, SGLang's GLM-4.5/4.7 detectors): one incremental state
+machine for streaming and non-streaming.
 
 Format: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` (GLM-4.7/5; GLM-4.5
-puts newlines between the parts, which are ignored). Values are raw text; a value is JSON-typed (json, then
-Python literal, else kept as a string) unless the tool's schema declares that parameter a string, as
-vLLM's glm47 parser does. Text outside the calls is content (stripped as a whole; `None` if empty).
-
-Streaming emits the call's name (with its id) as soon as the name is complete, then one arguments
-fragment per finished key/value pair (`{"k": v`, `, "k2": v2`, `}`), so long calls show progress and
-zero-argument calls still produce a name and `{}` (F1). The concatenated fragments equal the final
-`arguments` string. An output that ends inside a call (max_tokens) closes the arguments JSON with the
-pairs seen so far; one that ends before the name is complete is content, unless the call was forced
-(`tool_choice`), in which case the name so far is the call.
+puts newlines between the parts, which are ignored). Rules, as the peers' parser tests assert them:
+- Keys are stripped; values keep their whitespace. Values are typed by the offered tool's JSON schema
+  (`schema_types.py`): `string` parameters keep their raw text, others become JSON of an allowed type.
+- A call to a tool that was not offered is dropped whole: no call, no content, arguments never leak.
+  (`tools=None` accepts any name.)
+- Streaming: a known call's name (with its id) goes out as soon as it is complete; a `string` argument
+  streams as it arrives (`{"k": "par`, `tial`, `"`); other values go out when they close; `}` when the
+  call closes. A tool whose schema makes a value's type depend on its siblings (a root `oneOf` with a
+  discriminator) sends its arguments in one piece at `</tool_call>`.
+- Text outside calls is content (stripped as a whole; `None` if empty).
+- A call still open when the output ends (max_tokens) is not a call and not content; whatever of it
+  was already streamed stays sent (both peers do the same), so the one place where a stream can
+  differ from the non-streaming response is an output cut inside a call, with finish_reason "length".
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from glm5.serve.parsers.reasoning_glm import _partial_suffix
+from glm5.serve.parsers.schema_types import allowed_types, coerce_value, needs_context, single_type
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
@@ -55,49 +59,64 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _string_params(tools: list[dict] | None) -> dict[str, set[str]]:
-    """tool name -> names of the parameters its JSON schema declares as strings."""
-    out: dict[str, set[str]] = {}
-    for tool in tools or []:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
-        props = ((fn.get("parameters") or {}).get("properties") or {}) if isinstance(fn, dict) else {}
-        names = set()
-        for pname, schema in props.items():
-            t = schema.get("type") if isinstance(schema, dict) else None
-            if t == "string" or (isinstance(t, list) and "string" in t):
-                names.add(pname)
-        out[fn.get("name", "")] = names
+def tool_schemas(tools: list[dict] | None) -> dict[str, dict] | None:
+    """Offered tool name -> its parameters schema ({} when absent or not an object); None = no list."""
+    if tools is None:
+        return None
+    out: dict[str, dict] = {}
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            out[fn["name"]] = params if isinstance(params, dict) else {}
     return out
 
 
-def _deserialize(value: str) -> Any:
-    """vLLM glm4_moe `_deserialize`: JSON, then a Python literal, else the string itself."""
-    try:
-        return json.loads(value)
-    except (ValueError, RecursionError):
-        pass
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return value
+def _find_first(buf: str, tags: tuple[str, ...]) -> tuple[int, str]:
+    """Earliest occurrence of any tag: (index, tag), or (-1, "")."""
+    best, which = -1, ""
+    for tag in tags:
+        i = buf.find(tag)
+        if i >= 0 and (best < 0 or i < best):
+            best, which = i, tag
+    return best, which
+
+
+def _held(buf: str, tags: tuple[str, ...]) -> int:
+    """Characters at the end of `buf` that could still become one of `tags`."""
+    return max(_partial_suffix(buf, t) for t in tags)
+
+
+@dataclass
+class _OpenCall:
+    """The call being parsed: its index (None for a dropped call), schema and arguments so far."""
+
+    index: int | None
+    name: str
+    schema: dict
+    buffered: bool  # arguments typed together at the close (sibling-dependent types)
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    key: str = ""
+    value_type: str | None = None  # "string" while a string value streams
+    value: str = ""
+    num_args: int = 0
 
 
 class GLMToolParser:
-    """`feed(delta) -> ParsedDelta`, `finish() -> ParsedDelta`; `content`/`tool_calls` hold the totals."""
+    """`feed(delta) -> ParsedDelta`, `finish() -> ParsedDelta`; `content`/`tool_calls` hold the totals
+    (`tool_calls` lists only calls that closed)."""
 
-    def __init__(self, tools: list[dict] | None = None, id_factory: Callable[[], str] = new_call_id,
-                 forced: bool = False):
-        self.forced = forced  # tool_choice forced a call: a name cut off by the end is still a call
-        self.string_params = _string_params(tools)
+    def __init__(self, tools: list[dict] | None = None, id_factory: Callable[[], str] = new_call_id):
+        self.schemas = tool_schemas(tools)
         self.id_factory = id_factory
-        self.state = "outside"  # outside | name | key | before_value | value | after_value
+        self.state = "outside"  # outside | name | args | key | before_value | value
         self.buf = ""
         self.tool_calls: list[ToolCall] = []
+        self._announced: list[ToolCall] = []  # every call whose name went out (the last may never close)
+        self.call: _OpenCall | None = None
         self._content: list[str] = []
         self._pending_ws = ""  # whitespace held back: emitted only if more content follows
         self._started = False
-        self._key = ""
-        self._nargs = 0
 
     @property
     def content(self) -> str | None:
@@ -106,32 +125,19 @@ class GLMToolParser:
     def feed(self, text: str) -> ParsedDelta:
         self.buf += text
         out = ParsedDelta()
-        while self._step(out):
+        while getattr(self, f"_on_{self.state}")(out):
             pass
         return out
 
     def finish(self) -> ParsedDelta:
+        """End of output: plain text (and a partial `<tool_call>`) is content; an open call is dropped."""
         out = ParsedDelta()
-        rest, self.buf = self.buf, ""
         if self.state == "outside":
-            self._emit_content(rest, out)
-        elif self.state == "name" and self.forced and rest.strip():
-            self.buf = rest + TOOL_CLOSE
-            self._on_name(out)
-            self.buf = ""
-            self._close_call(out)
-        elif self.state == "name":  # never announced: it was text after all
-            self._emit_content(TOOL_OPEN + rest, out)
-        else:
-            self._close_call(out)
-        self.state = "outside"
+            self._emit_content(self.buf, out)
+        self.buf, self.state, self.call = "", "outside", None
         return out
 
-    def _step(self, out: ParsedDelta) -> bool:
-        """Consume as much of `buf` as the current state allows; True if the state changed."""
-        handler = getattr(self, f"_on_{self.state}")
-        return handler(out)
-
+    # ---- states: each consumes what it can and returns True when it moved to another state ----------
     def _on_outside(self, out: ParsedDelta) -> bool:
         idx = self.buf.find(TOOL_OPEN)
         if idx < 0:
@@ -140,71 +146,125 @@ class GLMToolParser:
             self.buf = self.buf[len(self.buf) - keep:]
             return False
         self._emit_content(self.buf[:idx], out)
-        self.buf = self.buf[idx + len(TOOL_OPEN):]
-        self.state = "name"
+        self.buf, self.state = self.buf[idx + len(TOOL_OPEN):], "name"
         return True
 
     def _on_name(self, out: ParsedDelta) -> bool:
-        ends = [i for i in (self.buf.find(KEY_OPEN), self.buf.find(TOOL_CLOSE)) if i >= 0]
-        if not ends:
-            return False
-        idx = min(ends)
-        name = self.buf[:idx].strip()
-        call = ToolCall(id=self.id_factory(), name=name, arguments="")
-        self.tool_calls.append(call)
-        out.tool_calls.append(ToolCallDelta(index=len(self.tool_calls) - 1, id=call.id, name=name))
-        self._nargs = 0
-        self.buf = self.buf[idx:]
-        self.state = "after_value"  # same transitions: next is `<arg_key>` or `</tool_call>`
-        return True
-
-    def _on_after_value(self, out: ParsedDelta) -> bool:
-        k, c = self.buf.find(KEY_OPEN), self.buf.find(TOOL_CLOSE)
-        if k >= 0 and (c < 0 or k < c):
-            self.buf, self.state = self.buf[k + len(KEY_OPEN):], "key"
-            return True
-        if c >= 0:
-            self.buf = self.buf[c + len(TOOL_CLOSE):]
-            self._close_call(out)
-            self.state = "outside"
-            return True
-        return False
-
-    def _on_key(self, out: ParsedDelta) -> bool:
-        idx = self.buf.find(KEY_CLOSE)
+        """The name ends at `<arg_key>`, `</tool_call>` or a newline after it (GLM-4.5 layout)."""
+        head = self.buf.lstrip()
+        idx, _ = _find_first(head, (KEY_OPEN, TOOL_CLOSE, "\n"))
         if idx < 0:
             return False
-        self._key = self.buf[:idx].strip()
-        self.buf, self.state = self.buf[idx + len(KEY_CLOSE):], "before_value"
+        name = head[:idx].strip()
+        self.buf = head[idx:]
+        schema = None if self.schemas is None else self.schemas.get(name)
+        if name and (self.schemas is None or schema is not None):
+            call = ToolCall(id=self.id_factory(), name=name, arguments="")
+            self._announced.append(call)
+            index = len(self._announced) - 1
+            out.tool_calls.append(ToolCallDelta(index=index, id=call.id, name=name))
+            self.call = _OpenCall(index, name, schema or {}, needs_context(schema or {}))
+        else:  # never offered (or empty): parse it to its end, emit nothing
+            self.call = _OpenCall(None, name, {}, True)
+        self.state = "args"
+        return True
+
+    def _on_args(self, out: ParsedDelta) -> bool:
+        idx, tag = _find_first(self.buf, (KEY_OPEN, TOOL_CLOSE))
+        if idx < 0:
+            self.buf = self.buf[len(self.buf) - _held(self.buf, (KEY_OPEN, TOOL_CLOSE)):]
+            return False
+        self.buf = self.buf[idx + len(tag):]
+        if tag == TOOL_CLOSE:
+            self._close_call(out)
+        else:
+            self.state = "key"
+        return True
+
+    def _on_key(self, out: ParsedDelta) -> bool:
+        idx, tag = _find_first(self.buf, (KEY_CLOSE, TOOL_CLOSE))
+        if idx < 0:
+            return False
+        self.call.key = self.buf[:idx].strip()
+        self.buf = self.buf[idx + len(tag):]
+        if tag == TOOL_CLOSE:  # a key without a value: ignored
+            self._close_call(out)
+        else:
+            self.state = "before_value"
         return True
 
     def _on_before_value(self, out: ParsedDelta) -> bool:
-        idx = self.buf.find(VAL_OPEN)
+        idx, tag = _find_first(self.buf, (VAL_OPEN, TOOL_CLOSE))
         if idx < 0:
+            self.buf = self.buf[len(self.buf) - _held(self.buf, (VAL_OPEN, TOOL_CLOSE)):]
             return False
-        self.buf, self.state = self.buf[idx + len(VAL_OPEN):], "value"
+        self.buf = self.buf[idx + len(tag):]
+        if tag == TOOL_CLOSE:
+            self._close_call(out)
+            return True
+        call = self.call
+        call.value = ""
+        call.value_type = None
+        if not call.buffered:
+            kind = single_type(allowed_types(call.schema, call.schema, call.key))
+            if kind == "string":  # streams as it arrives
+                call.value_type = "string"
+                self._emit_args(self._separator() + json.dumps(call.key, ensure_ascii=False) + ': "', out)
+        self.state = "value"
         return True
 
     def _on_value(self, out: ParsedDelta) -> bool:
-        idx = self.buf.find(VAL_CLOSE)
+        """`</tool_call>` inside a value ends the value and the call (vLLM's regexes do the same)."""
+        call = self.call
+        idx, tag = _find_first(self.buf, (VAL_CLOSE, TOOL_CLOSE))
+        piece = self.buf[:idx] if idx >= 0 else self.buf[: len(self.buf) - _held(self.buf, (VAL_CLOSE, TOOL_CLOSE))]
+        call.value += piece
+        self.buf = self.buf[len(piece):]
+        if call.value_type == "string" and piece:
+            self._emit_args(json.dumps(piece, ensure_ascii=False)[1:-1], out)
         if idx < 0:
             return False
-        call = self.tool_calls[-1]
-        raw = self.buf[:idx].strip()
-        value = raw if self._key in self.string_params.get(call.name, ()) else _deserialize(raw)
-        sep = "{" if self._nargs == 0 else ", "
-        self._nargs += 1
-        self._emit_args(sep + json.dumps(self._key, ensure_ascii=False) + ": "
-                        + json.dumps(value, ensure_ascii=False), out)
-        self.buf, self.state = self.buf[idx + len(VAL_CLOSE):], "after_value"
+        self.buf = self.buf[len(tag):]
+        self._close_value(out)
+        if tag == TOOL_CLOSE:
+            self._close_call(out)
+        else:
+            self.state = "args"
         return True
 
+    # ---- emitting ---------------------------------------------------------------------------------
+    def _close_value(self, out: ParsedDelta) -> None:
+        call = self.call
+        call.pairs.append((call.key, call.value))
+        if call.buffered:
+            return
+        if call.value_type == "string":
+            self._emit_args('"', out)
+            return
+        types = allowed_types(call.schema, call.schema, call.key)
+        value = coerce_value(call.value, types, call.schema, call.key)
+        self._emit_args(self._separator() + json.dumps(call.key, ensure_ascii=False) + ": "
+                        + json.dumps(value, ensure_ascii=False), out)
+
     def _close_call(self, out: ParsedDelta) -> None:
-        self._emit_args("}" if self._nargs else "{}", out)
+        call = self.call
+        if call.index is not None:
+            if call.buffered:
+                self._emit_args(json.dumps(type_arguments(call.pairs, call.schema), ensure_ascii=False), out)
+            else:
+                self._emit_args("}" if call.num_args else "{}", out)
+            self.tool_calls.append(self._announced[call.index])
+        self.call, self.state = None, "outside"
+
+    def _separator(self) -> str:
+        self.call.num_args += 1
+        return "{" if self.call.num_args == 1 else ", "
 
     def _emit_args(self, piece: str, out: ParsedDelta) -> None:
-        index = len(self.tool_calls) - 1
-        self.tool_calls[index].arguments += piece
+        index = self.call.index
+        if index is None or not piece:
+            return
+        self._announced[index].arguments += piece
         if out.tool_calls and out.tool_calls[-1].index == index:
             out.tool_calls[-1].arguments += piece
         else:
@@ -225,6 +285,24 @@ class GLMToolParser:
         self._started = True
         self._content.append(piece)
         out.content += piece
+
+
+def type_arguments(pairs: list[tuple[str, str]], schema: dict) -> dict[str, Any]:
+    """Type all of a call's (key, raw value) pairs together. Values whose type is certain on their own
+    are typed first, so a discriminator (`kind: "count"`) can pick the union branch that types its
+    siblings, whatever their order."""
+    known: dict[str, Any] = {}
+    for key, raw in pairs:
+        value = coerce_value(raw, allowed_types(schema, schema, key), schema, key)
+        native = allowed_types(schema, schema, key, value=raw)
+        if isinstance(value, str) or native is None or "string" not in native:
+            known[key] = value
+    args: dict[str, Any] = {}
+    for key, raw in pairs:
+        types = allowed_types(schema, schema, key, known=known)
+        args[key] = coerce_value(raw, types, schema, key, known)
+        known[key] = args[key]
+    return args
 
 
 def parse_tool_calls(output: str, tools: list[dict] | None = None,
