@@ -1,6 +1,6 @@
 """The real `Trainer` on 2 gloo processes with FSDP2 + expert parallel (slow: two process launches).
 
-Each rank reads its half of the single-process run's global batch, so the 2-process losses must equal
+Each rank reads its half of the single-process run's global batch (SyntheticData's elastic order), so the 2-process losses must equal
 the single-process Trainer's; a run resumed from its step-2 distributed checkpoint must reproduce the
 uninterrupted run exactly, and `final/` must be a loadable HF directory of the trained weights.
 """
@@ -23,29 +23,6 @@ MODEL = {"vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "intermedi
 STEPS, WORLD = 4, 2
 
 
-class HalfBatches(DataSource):
-    """Rank `rank`'s slice of another source's batches (the global batch split over the ranks)."""
-
-    def __init__(self, inner: SyntheticData, rank: int, world: int):
-        self.inner, self.rank, self.world = inner, rank, world
-        self.micro_batch_size, self.vocab_size = inner.micro_batch_size // world, inner.vocab_size
-
-    def _part(self, batch: dict) -> dict:
-        return {k: v.chunk(self.world)[self.rank] for k, v in batch.items()}
-
-    def next_batch(self, objective: str) -> dict:
-        return self._part(self.inner.next_batch(objective))
-
-    def val_batches(self, n: int) -> list[dict]:
-        return [self._part(b) for b in self.inner.val_batches(n)]
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-
 def make_trainer(run_dir: Path, data: DataSource, ep: int = 1, resume: str = ""):
     from glm5.core.config import from_dict
     from glm5.train.config import TrainConfig
@@ -62,7 +39,8 @@ def _worker(rank: int, port: int, run_dir: str, resume: str) -> None:
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        t = make_trainer(Path(run_dir), HalfBatches(SyntheticData(96, 4, 24, seed=1), rank, WORLD),
+        # elastic order: data rank r of 2 with 2 rows reads rows 2r, 2r+1 of the 4-row global batch
+        t = make_trainer(Path(run_dir), SyntheticData(96, 2, 24, seed=1, rank=rank, world_size=WORLD),
                          ep=WORLD, resume=resume)
         t.fit()
         if rank == 0:

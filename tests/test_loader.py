@@ -4,6 +4,7 @@ Synthetic shards: every token id is globally unique (1000 + its offset in the co
 a batch tells which document and position it came from.
 """
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -99,20 +100,20 @@ def test_packing_keeps_boundaries_and_labels_each_token_once(corpus):
     assert labels == expected
 
 
-def test_ranks_see_disjoint_documents(corpus):
-    path, docs = corpus
-    where = locate(docs)
-    seen = []
-    for rank in range(2):
-        cfg = DataLoaderConfig(train_path=str(path), batch_size=1, seq_len=32, seed=5)
-        loader = PackedLoader(cfg, rank=rank, world_size=2)
-        got = set()
-        while all(s.epoch == 0 for s in loader.streams.values()):
-            ids = loader.next_batch()["input_ids"].flatten().tolist()
-            if all(s.epoch == 0 for s in loader.streams.values()):
-                got |= {where[t][0] for t in ids if t in where}
-        seen.append(got)
-    assert seen[0] and seen[1] and not (seen[0] & seen[1])
+def test_ranks_split_one_global_row_sequence(corpus):
+    """Elastic order: the rows of ranks 0..W-1 (batch B each) are, in rank order, the rows one process
+    gets with batch W*B, for every call, infilling rows included; the state is the same on every rank."""
+    path, _ = corpus
+    cfg = lambda b: DataLoaderConfig(train_path=str(path), batch_size=b, seq_len=32, seed=5,  # noqa: E731
+                                     infill_ratio=0.4)
+    one = PackedLoader(cfg(6), rank=0, world_size=1)
+    split = [PackedLoader(cfg(2), rank=r, world_size=3) for r in range(3)]
+    for _ in range(8):
+        ref = one.next_batch()
+        parts = [ld.next_batch() for ld in split]
+        assert all(torch.equal(torch.cat([p[k] for p in parts]), ref[k]) for k in ref)
+    assert all(ld.state_dict()["streams"] == one.state_dict()["streams"] for ld in split)
+    assert all(ld.state_dict()["rows"] == one.state_dict()["rows"] for ld in split)
 
 
 def batches_equal(a, b):
@@ -134,29 +135,34 @@ def test_resume_yields_exactly_the_uninterrupted_batches(corpus):
     tail = [resumed.next_batch() for _ in range(4)]
     assert all(batches_equal(x, y) for x, y in zip(reference, head + tail))
     assert [b["input_ids"].shape[1] for b in reference] == [48] * 4 + [96] * 6  # curriculum
-    other = PackedLoader(cfg, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="rank"):
-        other.load_state_dict(state)
+    # the same state resumes in one process with the whole global batch: rank 0's rows, then rank 1's
+    rank0 = PackedLoader(cfg, rank=0, world_size=2)
+    rank0.load_state_dict(state)
+    one = PackedLoader(dataclasses.replace(cfg, batch_size=6), rank=0, world_size=1)
+    one.load_state_dict(state)
+    for b1, b0, b in zip(tail, [rank0.next_batch() for _ in range(4)], [one.next_batch() for _ in range(4)]):
+        assert all(torch.equal(torch.cat([b0[k], b1[k]]), b[k]) for k in b)
+    with pytest.raises(ValueError, match="seed"):
+        PackedLoader(dataclasses.replace(cfg, seed=12), rank=0, world_size=1).load_state_dict(state)
 
 
 def test_trainer_data_resumes_at_another_world_size(corpus):
-    """A checkpoint written by 2 ranks resumes in 1 process (DCP reshards the weights): the data position
-    cannot carry over, rank 0's document order depends on the world size, so the trainer's source
-    starts afresh instead of failing; at the same world size it resumes exactly."""
+    """A checkpoint written by 2 ranks resumes in 1 process (DCP reshards the weights) at its exact data
+    position: the next global batch is the one the 2 ranks would have read together."""
     from types import SimpleNamespace
 
     from glm5.train.loader_data import LoaderData
     path, _ = corpus
-    cfg = SimpleNamespace(data=DataLoaderConfig(train_path=str(path), batch_size=3, seq_len=32))
-    saved = LoaderData(cfg, rank=0, world_size=2)
-    saved.next_batch("clm")
-    state = json.loads(json.dumps(saved.state_dict()))
-    other = LoaderData(cfg, rank=0, world_size=1)
-    other.load_state_dict(state)
-    assert batches_equal(other.next_batch("clm"), LoaderData(cfg, rank=0, world_size=1).next_batch("clm"))
-    same = LoaderData(cfg, rank=0, world_size=2)
-    same.load_state_dict(state)
-    assert batches_equal(same.next_batch("clm"), saved.next_batch("clm"))
+    cfg = lambda b: SimpleNamespace(data=DataLoaderConfig(train_path=str(path), batch_size=b, seq_len=32))  # noqa: E731
+    ranks = [LoaderData(cfg(3), rank=r, world_size=2) for r in range(2)]
+    for ld in ranks:
+        ld.next_batch("clm")
+    state = json.loads(json.dumps(ranks[0].state_dict()))
+    assert state == json.loads(json.dumps(ranks[1].state_dict())) | {"rank": 0}
+    one = LoaderData(cfg(6), rank=0, world_size=1)
+    one.load_state_dict(state)
+    nxt = [ld.next_batch("clm") for ld in ranks]
+    assert batches_equal(one.next_batch("clm"), {k: torch.cat([b[k] for b in nxt]) for k in nxt[0]})
 
 
 def test_mixture_weights_and_manual_step(corpus):
@@ -223,12 +229,19 @@ def test_eval_batches_cover_every_token_once(corpus):
             assert set(batch) == {"input_ids", "labels", "position_ids", "segment_ids"}
             ids, seg = batch["input_ids"], batch["segment_ids"]
             inputs.update(ids[seg > 0].tolist())
-            row_ends |= {int(r[s > 0][-1]) for r, s in zip(ids, seg)}
+            row_ends |= {int(r[s > 0][-1]) for r, s in zip(ids, seg) if (s > 0).any()}
     # Every token once, except that a document cut at a row edge repeats that edge token.
     total = Counter(t for d in docs for t in d.tolist())
     assert set(inputs) == set(total)
     repeated = {t for t, c in inputs.items() if c > 1}
     assert repeated <= row_ends and all(inputs[t] == 2 for t in repeated)
+    # elastic: both ranks run the same number of batches (padded), and together they are one process's
+    parts = [list(eval_batches(str(path), seq_len=40, batch_size=3, rank=r, world_size=2)) for r in range(2)]
+    one = list(eval_batches(str(path), seq_len=40, batch_size=6, rank=0, world_size=1))
+    assert len(parts[0]) == len(parts[1]) == len(one)
+    for a, b, ref in zip(*parts, one):
+        both = torch.cat([a["labels"], b["labels"]])
+        assert torch.equal(both[: len(ref["labels"])], ref["labels"]) and (both[len(ref["labels"]):] == IGNORE).all()
 
 
 def test_example_config_parses_and_runs(tmp_path):

@@ -182,3 +182,18 @@ def test_final_model_loads_in_transformers(tmp_path):
     t.raw_model.eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, t.raw_model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_synthetic_data_ranks_split_the_global_batch():
+    """Elastic order in the synthetic source: data rank r of W reads rows [rB, (r+1)B) of the batch one
+    process reads with W*B rows, for training and validation, and the counter is global."""
+    one = SyntheticData(96, 6, 8, seed=2)
+    parts = [SyntheticData(96, 2, 8, seed=2, rank=r, world_size=3) for r in range(3)]
+    for objective in ("clm", "glm", "clm"):
+        ref = one.next_batch(objective)
+        got = [p.next_batch(objective) for p in parts]
+        assert all(torch.equal(torch.cat([g[k] for g in got]), ref[k]) for k in ref)
+    assert all(p.state_dict() == one.state_dict() for p in parts)
+    val = [p.val_batches(2) for p in parts]
+    for k, ref in enumerate(one.val_batches(2)):
+        assert torch.equal(torch.cat([v[k]["input_ids"] for v in val]), ref["input_ids"])

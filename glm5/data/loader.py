@@ -8,9 +8,15 @@ row packing and the batch dicts of docs/CONTRACTS.md:
 Labels are already aligned: `labels[b, t]` is the target of `logits[b, t]` (do not shift again).
 
 Mixing (seed D3): each row is filled from one group (domain, lang or source), drawn with the current
-stage's weights; a stage also sets the sequence length and may admit only long documents. Every rank walks a disjoint slice of each
-group's per-epoch permutation, and each row's randomness is a pure function of (seed, rank, row), so
-`state_dict()` (step, row counter, stream cursors) resumes the exact batch sequence.
+stage's weights; a stage also sets the sequence length and may admit only long documents.
+
+Elastic order: the loader walks one global sequence of rows that depends only on the data, the config
+and the seed, never on the rank or the world size. Call k of `next_batch` covers the global rows
+[k*B*W, (k+1)*B*W) and rank r gets rows [k*B*W + r*B, k*B*W + (r+1)*B) of it (B = batch_size, W = world):
+any split of the same global batch over ranks sees the same rows, and the state (step, global row
+counter, stream cursors) is the same on every rank, so a run resumes at another world size at its
+exact data position. Every rank advances the document cursors through all B*W rows, but only builds
+the token arrays of its own B (the others cost a cursor update; infilling rows also draw their spans).
 """
 
 from __future__ import annotations
@@ -93,7 +99,9 @@ class DataLoaderConfig:
 
 
 class DocStream:
-    """One group's documents for one rank: epoch-wise permutation, rank slice, cursor (pos, offset)."""
+    """One group's documents: epoch-wise permutation (sliced as rank::world), cursor (pos, offset).
+
+    The training loader uses one global stream per group (rank 0 of 1); `eval_batches` too."""
 
     def __init__(self, shards: TokenShards, docs: np.ndarray, seed: int, key: int, rank: int, world: int,
                  shuffle: bool = True):
@@ -148,15 +156,17 @@ def _tril(T: int) -> np.ndarray:
 
 
 class Row:
-    """Builds one packed row of length T from pieces (causal or infill)."""
+    """Builds one packed row of length T from pieces (causal or infill). With `store=False` only the
+    fill level is tracked (another rank's row: the cursors must advance, the tokens are not needed)."""
 
-    def __init__(self, T: int, pad_id: int):
-        self.T, self.pad_id, self.n, self.seg = T, pad_id, 0, 0
-        self.input_ids = np.full(T, pad_id, dtype=np.int64)
-        self.labels = np.full(T, IGNORE, dtype=np.int64)
-        self.position_ids = np.zeros(T, dtype=np.int64)
-        self.block_position_ids = np.zeros(T, dtype=np.int64)
-        self.segment_ids = np.zeros(T, dtype=np.int64)
+    def __init__(self, T: int, pad_id: int, store: bool = True):
+        self.T, self.pad_id, self.n, self.seg, self.store = T, pad_id, 0, 0, store
+        n = T if store else 0
+        self.input_ids = np.full(n, pad_id, dtype=np.int64)
+        self.labels = np.full(n, IGNORE, dtype=np.int64)
+        self.position_ids = np.zeros(n, dtype=np.int64)
+        self.block_position_ids = np.zeros(n, dtype=np.int64)
+        self.segment_ids = np.zeros(n, dtype=np.int64)
         self.pieces: list[tuple[int, int, int]] = []  # (start, length, sep = |bidirectional prefix|)
 
     @property
@@ -167,6 +177,9 @@ class Row:
         """Append a piece; its first `sep` tokens (GLM Part A) attend bidirectionally."""
         s, L = self.n, len(input_ids)
         self.seg += 1
+        self.n += L
+        if not self.store:
+            return
         self.input_ids[s: s + L] = input_ids
         self.labels[s: s + L] = labels
         self.position_ids[s: s + L] = position_ids
@@ -174,9 +187,12 @@ class Row:
             self.block_position_ids[s: s + L] = block_position_ids
         self.segment_ids[s: s + L] = self.seg
         self.pieces.append((s, L, sep))
-        self.n += L
 
     def add_causal(self, tokens: np.ndarray) -> None:
+        if not self.store:
+            self.add(tokens, None, None)
+            return
+        tokens = np.asarray(tokens, dtype=np.int64)
         labels = np.append(np.asarray(tokens[1:], dtype=np.int64), IGNORE)
         self.add(tokens, labels, np.arange(len(tokens)))
 
@@ -205,7 +221,10 @@ class PackedLoader:
         groups = self.shards.groups(cfg.mix_by)
         self.group_names = sorted(groups)
         self.group_tokens = {g: int(self.shards.doc_len[d].sum()) for g, d in groups.items()}
-        self.streams = {g: DocStream(self.shards, groups[g], cfg.seed, k, self.rank, self.world)
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world}")
+        # one global stream per group (rank 0 of 1): the row sequence never depends on the world size
+        self.streams = {g: DocStream(self.shards, groups[g], cfg.seed, k, 0, 1)
                         for k, g in enumerate(self.group_names)}
         special = self.shards.special_tokens
         self.infill_ids = InfillTokens.from_special_tokens(special) \
@@ -247,17 +266,22 @@ class PackedLoader:
             raise ValueError("objective 'glm' needs the shards' [MASK]/<sop>/<eop> ids (special_tokens in meta)")
         stage = self.cfg.stage_at(self.step)
         probs = self._probs(stage)
-        rows = [self._build_row(stage, probs, objective) for _ in range(self.cfg.batch_size)]
+        B = self.cfg.batch_size
+        mine = range(self.rank * B, (self.rank + 1) * B)  # this rank's rows of the global batch
+        rows = [self._build_row(stage, probs, objective, store=i in mine) for i in range(B * self.world)]
+        rows = rows[mine.start: mine.stop]
         if not self.manual_step:
             self.step += 1
         with_mask = objective == "glm" or (objective is None and self.cfg.infill_ratio > 0)
         return collate(rows, with_mask=with_mask)
 
-    def _build_row(self, stage: StageConfig, probs: np.ndarray, objective: str | None) -> Row:
-        rng = np.random.default_rng([self.cfg.seed, self.rank, self.rows, 7])
+    def _build_row(self, stage: StageConfig, probs: np.ndarray, objective: str | None, store: bool) -> Row:
+        """Global row number `self.rows`; its randomness depends on (seed, row) alone. The 0 keeps the
+        seeding of the single-process stream that runs before elastic order produced."""
+        rng = np.random.default_rng([self.cfg.seed, 0, self.rows, 7])
         self.rows += 1
         stream = self.streams[self.group_names[int(rng.choice(len(probs), p=probs))]]
-        row = Row(stage.seq_len, self.pad_id)
+        row = Row(stage.seq_len, self.pad_id, store)
         draw = rng.random()  # drawn even when the objective is forced, so row streams stay aligned
         infill = objective == "glm" or (objective is None and self.infill_ids is not None
                                         and draw < self.cfg.infill_ratio)
@@ -273,7 +297,7 @@ class PackedLoader:
     def _add_causal(self, row: Row, stream: DocStream) -> None:
         _, rest = stream.current()
         take = min(len(rest), row.room)
-        row.add_causal(np.asarray(rest[:take], dtype=np.int64))
+        row.add_causal(rest[:take])
         # A document cut at the row's end continues in the next row from its last token again, so
         # every token but a document's first is a target exactly once.
         stream.advance(take if take == len(rest) else take - 1, len(rest))
@@ -303,8 +327,9 @@ class PackedLoader:
                 "streams": {g: s.state() for g, s in self.streams.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("rank", self.rank), ("world_size", self.world), ("seed", self.cfg.seed),
-                          ("mix_by", self.cfg.mix_by)):
+        """Resume at the saved global row, at any rank and world size (the state is the same on every
+        rank); `rows` counts global rows, so a new batch_size x world_size splits what follows anew."""
+        for key, mine in (("seed", self.cfg.seed), ("mix_by", self.cfg.mix_by)):
             if state[key] != mine:
                 raise ValueError(f"loader state has {key}={state[key]!r}, this loader {mine!r}")
         if sorted(state["streams"]) != self.group_names:
@@ -328,27 +353,41 @@ def collate(rows: list[Row], with_mask: bool) -> dict[str, torch.Tensor]:
 
 def eval_batches(path: str, seq_len: int, batch_size: int, rank: int | None = None,
                  world_size: int | None = None, max_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """One deterministic pass over a shard directory (documents in order, sharded by rank), packed
-    as causal LM rows; the last batch may be short. For validation loss / perplexity."""
+    """One deterministic pass over a shard directory (documents in order), packed as causal LM rows.
+    For validation loss / perplexity.
+
+    Elastic like the training loader: global batch k is rows [k*B*W, (k+1)*B*W) of one world-independent
+    row sequence and rank r gets its B rows of it. With W > 1 every rank's batch is padded to B rows
+    (padding has no labels) so that all ranks run the same number of forward passes (FSDP, TP and PP
+    forwards are collective); with W = 1 the last batch may be short. `max_batches` counts global batches.
+    """
     rank = dist.rank() if rank is None else rank
     world = dist.world_size() if world_size is None else world_size
     shards = TokenShards(path)
     pad_id = int(shards.meta.get("pad_token_id", 0))
-    stream = DocStream(shards, np.arange(len(shards)), 0, 0, rank, world, shuffle=False)
-    rows, done = [], 0
+    stream = DocStream(shards, np.arange(len(shards)), 0, 0, 0, 1, shuffle=False)
+    mine = range(rank * batch_size, (rank + 1) * batch_size)
+    done = 0
     while stream.epoch == 0:
-        row = Row(seq_len, pad_id)
-        while row.room >= 2 and stream.epoch == 0:
-            _, rest = stream.current()
-            take = min(len(rest), row.room)
-            row.add_causal(np.asarray(rest[:take], dtype=np.int64))
-            stream.advance(take if take == len(rest) else take - 1, len(rest))
-        rows.append(row)
-        if len(rows) == batch_size or stream.epoch > 0:
+        rows = []
+        for i in range(batch_size * world):
+            if stream.epoch > 0:
+                break
+            row = Row(seq_len, pad_id, store=i in mine)
+            while row.room >= 2 and stream.epoch == 0:
+                _, rest = stream.current()
+                take = min(len(rest), row.room)
+                row.add_causal(rest[:take])
+                stream.advance(take if take == len(rest) else take - 1, len(rest))
+            rows.append(row)
+        rows = rows[mine.start: mine.stop]
+        if world > 1:
+            rows += [Row(seq_len, pad_id) for _ in range(batch_size - len(rows))]
+        if rows:
             yield collate(rows, with_mask=False)
-            rows, done = [], done + 1
-            if max_batches and done >= max_batches:
-                return
+        done += 1
+        if max_batches and done >= max_batches:
+            return
 
 
 def stage_table(cfg: DataLoaderConfig) -> list[dict]:

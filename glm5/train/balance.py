@@ -26,13 +26,19 @@ def z_loss(router_stats: list[dict]) -> torch.Tensor:
     return torch.stack(losses).sum() if losses else torch.zeros(())
 
 
-def balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
+def balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_groups: int,
+                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """DeepSeek-V3 balance loss sum_i f_i * P_i, averaged over `num_groups` equal token groups.
 
     f_i = E / (A * T) * #{tokens t of the group routing to expert i}   (1 everywhere when balanced)
     P_i = mean_t s'_{t,i}, with s' the scores normalised to sum 1 per token.
     One group per sequence gives the sequence-wise auxiliary loss; one group for the whole batch
     gives the GShard/Switch-style batch balance loss (the seeds' "balance penalty").
+
+    `group` (batch loss only: the D data-parallel ranks, each holding an equal share of the global
+    batch) makes the batch the global one: f counts the tokens of every rank (all-reduced, no
+    gradient) and the result is D x this rank's share of sum_i f_i * P_i, so that the mean of the
+    ranks' gradients (what FSDP computes) is the gradient of the global-batch loss, at any D.
     """
     n, e = scores.shape
     a = topk_idx.shape[-1]
@@ -42,15 +48,22 @@ def balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_groups: int) 
     counts = torch.zeros(num_groups, e, device=scores.device, dtype=torch.float32)
     ones = torch.ones(num_groups, t * a, device=scores.device, dtype=torch.float32)
     counts.scatter_add_(1, topk_idx.reshape(num_groups, t * a).long(), ones)  # [G, E]
-    f = counts * (e / (a * t))
-    p = probs.mean(1)  # [G, E]
+    d = dist.get_world_size(group) if group is not None else 1
+    if d > 1:
+        if num_groups != 1:
+            raise ValueError("balance_loss: a process group only applies to the batch loss (num_groups=1)")
+        dist.all_reduce(counts, group=group)  # [1, E] over the global batch of d * t tokens
+    f = counts * (e / (a * t * d))
+    p = probs.mean(1)  # [G, E]; d x (this rank's sum) / (d * t) = the rank's share times d
     return (f * p).sum(-1).mean()
 
 
 def balance_losses(router_stats: list[dict], batch_size: int, seq_coef: float, batch_coef: float,
-                   z_coef: float) -> dict[str, torch.Tensor]:
+                   z_coef: float, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """The weighted balance terms to add to the loss (only those with a non-zero coefficient),
-    each summed over MoE layers: `seq_aux_loss`, `aux_loss`, `z_loss`."""
+    each summed over MoE layers: `seq_aux_loss`, `aux_loss`, `z_loss`. `group`: the data-parallel
+    ranks; the batch loss then balances the global batch (see `balance_loss`); the per-sequence and
+    per-token terms are means over equal shares, already global once FSDP averages the gradients."""
     out: dict[str, torch.Tensor] = {}
     if not router_stats:
         return out
@@ -58,7 +71,7 @@ def balance_losses(router_stats: list[dict], batch_size: int, seq_coef: float, b
         out["seq_aux_loss"] = seq_coef * sum(balance_loss(s["scores"], s["topk_idx"], batch_size)
                                              for s in router_stats)
     if batch_coef:
-        out["aux_loss"] = batch_coef * sum(balance_loss(s["scores"], s["topk_idx"], 1) for s in router_stats)
+        out["aux_loss"] = batch_coef * sum(balance_loss(s["scores"], s["topk_idx"], 1, group) for s in router_stats)
     if z_coef:
         out["z_loss"] = z_coef * z_loss(router_stats)
     return out

@@ -50,10 +50,14 @@ class SyntheticData(DataSource):
 
     Sample i of the stream is generated from seed (seed, i) alone, so the state is one counter.
     The top 5 ids stand in for [MASK], [sMASK], [gMASK], <sop>, <eop> in "glm" batches.
+    Elastic like the packed loader: call k covers global samples [k*B*W, (k+1)*B*W) and data rank r
+    gets [k*B*W + r*B, k*B*W + (r+1)*B); the counter is global.
     """
 
-    def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, branching: int = 4):
+    def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, branching: int = 4,
+                 rank: int = 0, world_size: int = 1):
         self.vocab_size, self.micro_batch_size, self.seq_len, self.seed = vocab_size, batch_size, seq_len, seed
+        self.rank, self.world = rank, world_size
         rng = np.random.default_rng(seed)
         self.n_text = vocab_size - 5
         self.table = rng.integers(0, self.n_text, size=(self.n_text, branching))  # next-token choices
@@ -92,14 +96,16 @@ class SyntheticData(DataSource):
 
     def next_batch(self, objective: str) -> dict:
         make = self._glm if objective == "glm" else self._clm
-        batch = self._collate([make(self.index + b) for b in range(self.micro_batch_size)])
-        self.index += self.micro_batch_size
+        B = self.micro_batch_size
+        first = self.index + self.rank * B
+        batch = self._collate([make(first + b) for b in range(B)])
+        self.index += B * self.world
         return batch
 
     def val_batches(self, n: int) -> list[dict]:
-        start = 1 << 40  # far from any training index
-        return [self._collate([self._clm(start + k * self.micro_batch_size + b)
-                               for b in range(self.micro_batch_size)]) for k in range(n)]
+        start, B = 1 << 40, self.micro_batch_size  # far from any training index
+        return [self._collate([self._clm(start + (k * self.world + self.rank) * B + b) for b in range(B)])
+                for k in range(n)]
 
     def state_dict(self) -> dict:
         return {"index": self.index}

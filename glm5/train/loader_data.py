@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glm5.core import dist
 from glm5.data.loader import PackedLoader, eval_batches
 from glm5.data.tokenizer import load_tokenizer
 
@@ -18,6 +17,9 @@ from .data import DataSource
 
 
 class LoaderData(DataSource):
+    """`rank` / `world_size` are the *data* rank and degree: ranks that must see the same batch (tensor or
+    pipeline parallel peers) pass the same data rank."""
+
     def __init__(self, cfg, rank: int, world_size: int):
         if cfg.data.infill_ratio > 0:
             raise ValueError("data.infill_ratio mixes objectives inside the loader; the trainer mixes them "
@@ -46,12 +48,8 @@ class LoaderData(DataSource):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        if (state.get("rank"), state.get("world_size")) != (self.rank, self.world):
-            # resumed at another world size: weights and optimizer carry over, the data position cannot
-            # (each rank's document order depends on rank and world); the loader starts its epoch anew
-            dist.print0(f"data: checkpoint written at world size {state.get('world_size')}, now {self.world}: "
-                        "data order restarts")
-            return
+        """The loader's position is global (the same on every rank), so it resumes exactly at any rank and
+        world size (elastic order, see glm5/data/loader.py)."""
         self.loader.load_state_dict(state)
 
     def save_tokenizer(self, directory: Path) -> None:

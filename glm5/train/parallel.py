@@ -46,6 +46,19 @@ class ParallelPlan:
     def world(self) -> int:
         return self.dp * self.ep
 
+    # data parallel = every rank (dp x ep): each reads its own rows of the global batch
+    @property
+    def data_rank(self) -> int:
+        return self.mesh.get_rank()
+
+    @property
+    def data_world(self) -> int:
+        return self.world
+
+    @property
+    def data_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
 
 def build_mesh(ep: int, device_type: str | None = None) -> DeviceMesh:
     """The 2-D ("dp", "ep") mesh over the default process group; ep must divide the world size."""
@@ -143,14 +156,17 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def sum_over_ranks(value: float) -> float:
-    """A per-rank scalar (a loss sum, a token count) summed over all ranks; unchanged without a group."""
+def sum_over_ranks(value: float | list[float]) -> float | list[float]:
+    """Per-rank scalars (loss sums, token counts) summed over all ranks in one all-reduce; a float or a
+    list of floats; unchanged without a process group."""
     if not gdist.is_dist():
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64,
+    values = value if isinstance(value, list) else [value]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64,
                      device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t)
-    return float(t)
+    out = t.tolist()
+    return out if isinstance(value, list) else out[0]
 
 
 def mean_over_ranks(value: float) -> float:

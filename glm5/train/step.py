@@ -46,10 +46,11 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance_cfg,
-                  indexer_coef: float = 0.0, capture=None) -> MicroResult:
+                  indexer_coef: float = 0.0, capture=None, data_group=None) -> MicroResult:
     """Run the model on one micro-batch; MTP runs only on causal-LM batches (GLM blank infilling is
     not left-to-right over Part A, so "token t+2" has no meaning there). With `capture` (an
-    indexer_warmup.AttnCapture) and `indexer_coef`, adds the sparse-stage indexer KL term."""
+    indexer_warmup.AttnCapture) and `indexer_coef`, adds the sparse-stage indexer KL term.
+    `data_group`: the data-parallel process group (the batch balance loss sees the global batch)."""
     inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
     if capture is not None:
         capture.clear()
@@ -63,7 +64,7 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
         targets = mtp_labels(labels)
         res.mtp_sum, res.mtp_tokens = ce_sum(out.mtp_logits, targets), int((targets != IGNORE).sum())
     res.balance = balance_losses(res.router_stats, labels.shape[0], balance_cfg.seq_aux_coef,
-                                 balance_cfg.aux_coef, balance_cfg.z_loss_coef)
+                                 balance_cfg.aux_coef, balance_cfg.z_loss_coef, data_group)
     if capture is not None and indexer_coef:
         res.balance["indexer_kl"] = indexer_coef * indexer_kl(capture.records, out.selections)
         capture.clear()
@@ -73,10 +74,13 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
     return res
 
 
-def micro_loss(res: MicroResult, step_tokens: int, step_mtp_tokens: int, mtp_weight: float,
+def micro_loss(res: MicroResult, step_tokens: float, step_mtp_tokens: float, mtp_weight: float,
                n_micro: int) -> torch.Tensor:
     """The differentiable loss of one micro-batch, normalised so that the sum over the step's
-    micro-batches is mean-LM-loss + mtp_weight * mean-MTP-loss + mean balance terms."""
+    micro-batches is mean-LM-loss + mtp_weight * mean-MTP-loss + mean balance terms.
+
+    With D data-parallel ranks pass the global token counts divided by D: the mean of the ranks'
+    gradients (FSDP) is then the gradient of the global token mean, however the tokens fall on ranks."""
     loss = res.lm_sum / max(1, step_tokens)
     if res.mtp_sum is not None and step_mtp_tokens:
         loss = loss + mtp_weight * res.mtp_sum / step_mtp_tokens

@@ -98,10 +98,14 @@ class Trainer:
         if cfg.precision.activation_checkpointing:
             self.raw_model.gradient_checkpointing = True
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.data = data if data is not None else build_data(cfg, dist.rank(), dist.world_size())
+        # data ranks: ranks that read different rows of the global batch (tensor/pipeline peers share one)
+        plan = getattr(self.model, "parallel_plan", None)
+        self.data_rank, self.data_world = (plan.data_rank, plan.data_world) if plan else (dist.rank(), dist.world_size())
+        self.data_group = plan.data_group if plan else None
+        self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
         check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
-        self.ramp = BatchRamp(self.data.micro_batch_size, dist.world_size(), cfg.train.grad_accum,
+        self.ramp = BatchRamp(self.data.micro_batch_size, self.data_world, cfg.train.grad_accum,
                               cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
         self.gates, self.tracker = find_gates(self.raw_model), LoadTracker()
         self.layer_groups = layer_groups(self.raw_model)
@@ -211,18 +215,22 @@ class Trainer:
         return metrics
 
     def _forward_backward(self, micro: list[tuple[str, dict]]) -> dict:
-        """Accumulate gradients over the micro-batches; losses normalised by the step's token count."""
+        """Accumulate gradients over the micro-batches. Losses are normalised by the step's *global*
+        token count (over all data ranks), so the update is that of one process on the global batch
+        however the rows fall on ranks (elastic; see `micro_loss`)."""
         cfg = self.cfg
         n_tok = sum(int((b["labels"] != IGNORE).sum()) for _, b in micro)
         n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm") \
             if self.uses_mtp else 0
+        n_tok, n_mtp = self._global([n_tok, n_mtp])
+        D = self.data_world
         lm_sum, mtp_sum, extra = 0.0, 0.0, {}
         self.tracker.reset()
         for objective, batch in micro:
             with self._autocast():
                 res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
-                                    cfg.dsa.indexer_loss_coef, self.capture)
-                loss = micro_loss(res, n_tok, n_mtp, cfg.train.mtp_weight, len(micro))
+                                    cfg.dsa.indexer_loss_coef, self.capture, self.data_group)
+                loss = micro_loss(res, n_tok / D, n_mtp / D, cfg.train.mtp_weight, len(micro))
             loss.backward()
             lm_sum += float(res.lm_sum.detach())
             mtp_sum += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
@@ -231,12 +239,24 @@ class Trainer:
             self.tracker.add(res.router_stats)
             labels = batch["labels"][batch["labels"] != IGNORE]
             self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
-        # the logged loss is the global token mean (the same on every rank, so the guard agrees)
-        metrics = {"loss": self._sum(lm_sum) / max(1, self._sum(n_tok)), "tokens": int(self._sum(n_tok)),
+        # logged values are global (the same on every rank, so the guard agrees): token means, and the
+        # balance terms averaged over data ranks (each rank's term is already scaled to the global one)
+        names = sorted(extra)
+        lm_sum, mtp_sum, *extras = self._global([lm_sum, mtp_sum] + [extra[k] for k in names])
+        metrics = {"loss": lm_sum / max(1, n_tok), "tokens": int(n_tok),
                    "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
         if n_mtp:
-            metrics["mtp_loss"] = self._sum(mtp_sum) / self._sum(n_mtp)
-        return {**metrics, **extra}
+            metrics["mtp_loss"] = mtp_sum / n_mtp
+        return {**metrics, **{k: v / D for k, v in zip(names, extras)}}
+
+    def _global(self, values: list[float]) -> list[float]:
+        """Per-rank values summed over the data ranks (one all-reduce over all ranks, divided by the
+        number of ranks that hold each data shard: tensor/pipeline peers see the same rows)."""
+        if not self.distributed:
+            return list(values)
+        from .parallel import sum_over_ranks
+        replicas = dist.world_size() // self.data_world
+        return [v / replicas for v in sum_over_ranks(values)]
 
     def _sum(self, value: float) -> float:
         if not self.distributed:
@@ -336,7 +356,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 m = self.train_step()
                 dt = time.perf_counter() - t0
-                m["tokens_per_s"] = m["tokens"] * dist.world_size() / dt
+                m["tokens_per_s"] = m["tokens"] / dt  # m["tokens"] is already the global count
                 # tokens/s is global, so the peak is one device's times the number of ranks
                 m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops * dist.world_size())
                 self.history.append({"step": self.step, **{k: v for k, v in m.items() if k != "expert_load"}})
