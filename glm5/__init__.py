@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ModelConfig": "glm5.model.config",
     "GLM5ForCausalLM": "glm5.model.model",
-    "from_pretrained": "glm5.model.hf_adapter",
+    "from_pretrained": "glm5.finetune.adapters",  # HF checkpoint (+ adapter=DIR)
     "LLM": "glm5.infer.llm",
     "SamplingParams": "glm5.infer.sampling",
 }

@@ -17,6 +17,7 @@ COMMANDS = {
     "generate": ("generate", "generate text: `glm5 generate --model PATH --prompt ...`"),
     "serve": ("serve", "OpenAI-compatible server: `glm5 serve --model PATH`"),
     "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),
+    "merge": ("merge", "fold a LoRA adapter into its base: `glm5 merge BASE ADAPTER OUT`"),
     "quickstart": ("quickstart", "the main job: data pipeline -> train tiny -> generate"),
 }
 

@@ -163,10 +163,12 @@ def cast_model(model: GLM5ForCausalLM, dtype: torch.dtype) -> GLM5ForCausalLM:
     return model
 
 
-def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> GLM5ForCausalLM:
-    """Build on the meta device (no memory, no init), then allocate uninitialised storage once."""
+def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.float32,
+                model_cls: type[GLM5ForCausalLM] = GLM5ForCausalLM) -> GLM5ForCausalLM:
+    """Build on the meta device (no memory, no init), then allocate uninitialised storage once.
+    `model_cls`: GLM5ForCausalLM or a subclass that adds methods (e.g. glm5.finetune's adapter model)."""
     with torch.device("meta"):
-        model = GLM5ForCausalLM(cfg)
+        model = model_cls(cfg)
     model.to_empty(device=device)
     cast_model(model, dtype)
     model.model.inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta))
@@ -174,14 +176,14 @@ def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.float32) -> GLM5ForC
 
 
 def from_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                    strict: bool = True) -> GLM5ForCausalLM:
+                    strict: bool = True, model_cls: type[GLM5ForCausalLM] = GLM5ForCausalLM) -> GLM5ForCausalLM:
     """Load a HF-format GLM-5 checkpoint directory (single-file or sharded safetensors, FP8 or not)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
     cfg = ModelConfig.from_pretrained(path)
     dtype = dtype or default_dtype(cfg, device)
-    model = build_empty(cfg, device, dtype)
+    model = build_empty(cfg, device, dtype, model_cls)
     load_hf_state_dict(model, LazyTensors(safetensors_files(path)), strict=strict)
     return model.eval()
 
