@@ -33,6 +33,18 @@ PAD_TOKEN = "<|endoftext|>"
 PREFIX_TOKENS = ("[gMASK]", "<sop>")  # GLM prompt prefix (chat template, `add_special_tokens=True`)
 
 
+def check_encodable(text: str, name: str = "text") -> None:
+    """Raise `ValueError` naming `name` unless `text` is a str that encodes to UTF-8. JSON escapes can
+    carry lone surrogates ("\\ud800") that Python strings hold but no tokenizer can encode."""
+    if not isinstance(text, str):
+        raise ValueError(f"{name} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+                         f"character {e.start}; send UTF-8 text (surrogates only in valid pairs)") from None
+
+
 class GLMTokenizer:
     """A loaded tokenizer: `tokenizers.Tokenizer` + special-token ids + chat template."""
 
@@ -59,8 +71,13 @@ class GLMTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Text -> ids. Special-token strings in `text` become their ids (as in HF);
-        `add_special_tokens` applies the file's post-processor (ours prepends `[gMASK]<sop>`)."""
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        `add_special_tokens` applies the file's post-processor (ours prepends `[gMASK]<sop>`).
+        Text that is not valid Unicode (a lone surrogate such as "\\ud800") raises `ValueError`."""
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            check_encodable(text)  # raises ValueError with the position when that is the reason
+            raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Batch encode (multithreaded in Rust), no special prefix."""

@@ -27,7 +27,7 @@ from .kv_cache import available_memory_bytes, bytes_per_token, num_blocks_for_bu
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, fan_out
 from .runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_token_ids
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -139,9 +139,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        check_token_ids("prompt_token_ids", prompt_token_ids, self.model_config.vocab_size)
+        params.check_vocab(self.model_config.vocab_size)  # e.g. a stop id past the logits fails the step
         reqs = fan_out(request_id, list(map(int, prompt_token_ids)), params, eos_token_ids=self.eos_token_ids,
                        prompt=prompt, cache_salt=cache_salt, device=self.config.device)
         for r in reqs:

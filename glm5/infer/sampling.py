@@ -11,15 +11,45 @@ Knows nothing about blocks or scheduling. Legend: N rows, V vocabulary, K top lo
 
 from __future__ import annotations
 
+import logging
+import math
+import operator
 from array import array
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterable, Literal
 
 import torch
 
 from glm5.infer.outputs import Logprob, PositionLogprobs
 
+log = logging.getLogger(__name__)
 Sequence = list[int] | tuple[int, ...]
+
+# Numerically safe ranges. Logits are divided by the temperature and by the repetition penalty (or
+# multiplied by it) in fp32: 1e-38 or 1e-300 overflow to inf and softmax then yields NaN. vLLM raises
+# 0 < temperature < 1e-2 to 1e-2 (its _MAX_TEMP); the penalty gets the same factor-100 bound both ways.
+MIN_TEMPERATURE = 1e-2
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+
+
+def check_token_ids(name: str, ids: Iterable, vocab_size: int) -> None:
+    """Raise `ValueError` naming `name` unless every id is an integer in [0, vocab_size).
+
+    The one check for every token id a request carries (prompt ids, `stop_token_ids`, `logit_bias`
+    keys, `allowed_token_ids`, `bad_words` ids): an id outside the vocabulary would index past the
+    logits inside a batched step, so it is rejected when the request arrives."""
+    bad = []
+    for t in ids:
+        try:
+            ok = not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+        except TypeError:
+            ok = False
+        if not ok:
+            bad.append(t)
+            if len(bad) == 5:
+                break
+    if bad:
+        raise ValueError(f"{name} must be token ids in [0, {vocab_size}) (the model's vocabulary); got {bad}")
 
 
 @dataclass(kw_only=True)
@@ -58,20 +88,44 @@ class SamplingParams:
             self.temperature_schedule = tuple(float(t) for t in self.temperature_schedule)
         for msg in self._errors():
             raise ValueError(msg)
+        self._clamp()
+
+    def _clamp(self) -> None:
+        """Raise tiny temperatures and pull extreme repetition penalties into the safe ranges (as vLLM
+        does for the temperature, with a warning): the request still runs, without NaN logits."""
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %g is below %g (NaN risk in fp32); using %g", self.temperature,
+                        MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            clamped = min(max(self.repetition_penalty, lo), hi)
+            log.warning("repetition_penalty %g is outside [%g, %g] (NaN risk in fp32); using %g",
+                        self.repetition_penalty, lo, hi, clamped)
+            self.repetition_penalty = clamped
+
+    def token_id_fields(self) -> dict[str, Iterable[int]]:
+        """Every field that holds token ids, by name (what `check_vocab` checks)."""
+        return {"stop_token_ids": self.stop_token_ids}
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `ValueError` naming the field if a token id is outside [0, vocab_size)."""
+        for name, ids in self.token_id_fields().items():
+            check_token_ids(name, ids, vocab_size)
 
     def _errors(self):
         if self.n < 1:
             yield f"n must be >= 1, got {self.n}"
-        if self.temperature < 0:
-            yield f"temperature must be >= 0, got {self.temperature}"
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN fails every comparison
+            yield f"temperature must be a finite number >= 0, got {self.temperature}"
         if not 0 < self.top_p <= 1:
             yield f"top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < -1:
             yield f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}"
         if not 0 <= self.min_p <= 1:
             yield f"min_p must be in [0, 1], got {self.min_p}"
-        if self.repetition_penalty <= 0:
-            yield f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            yield f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 yield f"{name} must be in [-2, 2], got {getattr(self, name)}"
@@ -97,7 +151,8 @@ class SamplingParams:
         if self.use_beam_search and self.temperature != 0:
             yield f"temperature must be 0 with use_beam_search, got {self.temperature}"
         if self.temperature_schedule is not None:
-            if len(self.temperature_schedule) != 2 or min(self.temperature_schedule) < 0:
+            ts = self.temperature_schedule
+            if len(ts) != 2 or not all(math.isfinite(t) and t >= 0 for t in ts):
                 yield f"temperature_schedule must be (start, end) >= 0, got {self.temperature_schedule}"
             if self.max_tokens is None:
                 yield "temperature_schedule needs max_tokens (the schedule spans max_tokens steps)"
@@ -108,7 +163,8 @@ class SamplingParams:
             return self.temperature
         start, end = self.temperature_schedule
         frac = min(num_output_tokens / max(self.max_tokens - 1, 1), 1.0)
-        return start + (end - start) * frac
+        t = start + (end - start) * frac
+        return MIN_TEMPERATURE if 0 < t < MIN_TEMPERATURE else t  # same floor as a fixed temperature
 
     @property
     def is_greedy(self) -> bool:

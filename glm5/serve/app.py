@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from glm5.infer.sampling import check_token_ids
 from glm5.serve import admin
 from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded
 from glm5.serve.common import APIError, ServerState
@@ -28,6 +29,7 @@ from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, Detok
                                  now)
 from glm5.serve.serving_chat import create_chat_completion, render_prompt
 from glm5.serve.serving_completion import create_completion
+from glm5.serve.validation import check_body_text
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
@@ -61,6 +63,8 @@ class Gatekeeper:
         try:
             self._authorize(scope["path"], headers.get("authorization", ""))
             body = await self._read_body(scope, receive, headers)
+            if body and not scope["path"].startswith("/admin/"):
+                check_body_text(body)
         except APIError as e:
             return await JSONResponse(e.body(), e.status, e.headers)(scope, receive, send_with_headers)
         if body is None:
@@ -146,7 +150,7 @@ def create_app(engine, tokenizer=None, config: ServerConfig | None = None, model
     max_len = max_model_len or int(getattr(engine_cfg, "max_model_len", 8192))
     metrics = ServerMetrics(name)
     aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests)
-    state = ServerState(engine, aengine, tokenizer, config, name, max_len)
+    state = ServerState(engine, aengine, tokenizer, config, name, max_len, int(engine.model_config.vocab_size))
 
     @asynccontextmanager
     async def lifespan(app):
@@ -256,9 +260,10 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         state.check_model(body.model)
-        vocab = state.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"tokens: ids must be in [0, {vocab})", param="tokens")
+        try:
+            check_token_ids("tokens", body.tokens, state.tokenizer.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tokens") from e
         return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 

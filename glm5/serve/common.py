@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from glm5.infer.sampling import SamplingParams
+from glm5.infer.sampling import SamplingParams, check_token_ids
 from glm5.serve.async_engine import AsyncEngine
 from glm5.serve.config import ServerConfig
 from glm5.serve.protocol import SamplingFields
@@ -40,6 +40,7 @@ class ServerState:
     config: ServerConfig
     model_name: str
     max_model_len: int
+    vocab_size: int  # the model's (rows of its logits): every token id a request carries must be below it
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -64,8 +65,9 @@ def max_tokens_for(state: ServerState, req: SamplingFields, prompt_len: int, req
     return requested
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, **extra) -> SamplingParams:
-    """OpenAI/vLLM request fields -> `SamplingParams`; a value the engine rejects is a 400."""
+def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int, **extra) -> SamplingParams:
+    """OpenAI/vLLM request fields -> `SamplingParams`; a value the engine rejects (including a token id
+    outside the vocabulary) is a 400 naming the field."""
     kwargs = dict(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
@@ -77,10 +79,23 @@ def sampling_params(req: SamplingFields, max_tokens: int, **extra) -> SamplingPa
         skip_special_tokens=req.skip_special_tokens)
     kwargs.update(extra)
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
+        params.check_vocab(vocab_size)
+        return params
     except (ValueError, TypeError) as e:
         param = str(e).split(" ")[0] if str(e) else None
         raise APIError(400, str(e), param=param if param in kwargs else None) from e
+
+
+def prompt_token_ids(state: ServerState, ids: list[int], param: str = "prompt") -> list[int]:
+    """A token-id prompt, checked against the vocabulary (400 naming `param`)."""
+    if not ids:
+        raise APIError(400, f"{param}: must not be empty", param=param)
+    try:
+        check_token_ids(param, ids, state.vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+    return list(ids)
 
 
 def finite(x: float | None) -> float | None:

@@ -20,6 +20,7 @@ from glm5.serve.common import (APIError, ServerState, chain, logprob_of, max_tok
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
 from glm5.serve.parsers.tool_glm import TOOL_OPEN
 from glm5.serve.protocol import ChatCompletionRequest, NamedToolChoice, Usage, now
+from glm5.serve.validation import check_tools
 
 EOS_TEXTS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
@@ -35,6 +36,7 @@ def _thinking(kwargs: dict) -> bool:
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, list | None]:
     """-> (prompt text, forced tool-call prefix, tools to parse against or None)."""
+    check_tools(req.tools)
     kwargs = dict(req.chat_template_kwargs or {})
     enable_thinking = _thinking(kwargs)
     for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
@@ -156,7 +158,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     extra = {"skip_special_tokens": False}  # <think>/<tool_call> must reach the parsers
     if top_k is not None:
         extra["logprobs"] = top_k
-    params = sampling_params(req, max_tokens, **extra)
+    params = sampling_params(req, max_tokens, state.vocab_size, **extra)
     stream = state.async_engine.generate(request_id, prompt_ids, params)
     choices = [_Choice(state, i, prompt_opens_reasoning(text), forced, tools) for i in range(req.n)]
     try:

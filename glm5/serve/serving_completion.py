@@ -12,17 +12,14 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from glm5.serve.common import (APIError, ServerState, chain, logprob_of, max_tokens_for, merge_streams,
-                               sampling_params, sse, token_str, top_entries)
+                               prompt_token_ids, sampling_params, sse, token_str, top_entries)
 from glm5.serve.protocol import CompletionRequest, Usage, now
 
 
 def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return state.tokenizer.encode(prompt, add_special_tokens=True)
-    vocab = state.tokenizer.vocab_size
-    if not prompt or any(not 0 <= t < vocab for t in prompt):
-        raise APIError(400, f"prompt: token ids must be non-empty and in [0, {vocab})", param="prompt")
-    return list(prompt)
+    return prompt_token_ids(state, prompt)
 
 
 class _LogprobBuilder:
@@ -64,7 +61,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
         extra["logprobs"] = req.logprobs
         if req.echo:
             extra["prompt_logprobs"] = req.logprobs
-    params = [sampling_params(req, mt, **extra) for mt in max_tokens]
+    params = [sampling_params(req, mt, state.vocab_size, **extra) for mt in max_tokens]
     streams = [state.async_engine.generate(f"{request_id}-{i}", ids, p)
                for i, (ids, p) in enumerate(zip(prompts, params))]
     merged = merge_streams(streams)

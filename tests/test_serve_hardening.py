@@ -1,0 +1,132 @@
+"""Hostile clients against the REAL engine on a tiny checkpoint: each request from the issue-16 report
+(out-of-vocabulary stop ids with min_tokens killed the engine; lone surrogates and a broken tool
+schema were 500s; tiny temperature / repetition_penalty gave NaN) is now a 4xx OpenAI error object
+naming the field, and the server keeps answering a good request correctly afterwards."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from glm5.data.tokenizer import load_tokenizer
+from glm5.infer.config import EngineConfig
+from glm5.infer.engine import LLMEngine
+from glm5.model.config import ModelConfig
+from glm5.model.hf_adapter import save_pretrained
+from glm5.model.model import GLM5ForCausalLM
+from glm5.serve.app import create_app
+from glm5.serve.config import ServerConfig
+from glm5.serve.testing import serve_in_thread
+
+TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory, one_thread):
+    path = tmp_path_factory.mktemp("tiny-hardening")
+    cfg = ModelConfig.from_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(cfg).init_weights(0).eval()
+    save_pretrained(model, path)
+    TOK.save(path)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=128,
+                                    num_blocks=64, block_size=16, max_num_seqs=8, batch_timeout_ms=0))
+    prompt_ids = TOK.encode(PROMPT, add_special_tokens=True)
+    expected = TOK.decode(model.generate_greedy(torch.tensor([prompt_ids]), 6)[0, len(prompt_ids):].tolist(),
+                          skip_special_tokens=True)
+    with serve_in_thread(create_app(engine, config=ServerConfig(), model_name="tiny")) as url:
+        yield {"url": url, "engine": engine, "expected": expected, "vocab": cfg.vocab_size}
+
+
+def post(live, path, body, **kw):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(live["url"] + path, content=content, headers={"content-type": "application/json"},
+                      timeout=60, **kw)
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def assert_alive(live):
+    """/health is 200 and a greedy completion equals the model's own greedy continuation."""
+    assert httpx.get(live["url"] + "/health", timeout=30).status_code == 200
+    r = post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == live["expected"]
+
+
+def test_out_of_vocab_stop_ids_with_min_tokens_do_not_kill_the_engine(live):
+    for body in ({"prompt": "hi", "max_tokens": 3, "stop_token_ids": [99999], "min_tokens": 2},
+                 {"prompt": "hi", "max_tokens": 3, "stop_token_ids": [-1], "min_tokens": 1, "stream": True}):
+        err = assert_error(post(live, "/v1/completions", body), 400, "stop_token_ids")
+        assert f"[0, {live['vocab']})" in err["message"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [2**70], "min_tokens": 1}
+    assert_error(post(live, "/v1/chat/completions", body), 400, "stop_token_ids")
+    with pytest.raises(ValueError, match="stop_token_ids"):  # the engine itself refuses them too
+        from glm5.infer.sampling import SamplingParams
+        live["engine"].add_request("direct", prompt_token_ids=[1, 2], params=SamplingParams(stop_token_ids=[99999]))
+    assert_alive(live)
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "x\\udc00y"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "stop": ["\\ud800"]}', "stop[0]"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+])
+def test_lone_surrogates_are_400_naming_the_field(live, path, raw, param):
+    err = assert_error(post(live, path, raw), 400, param)
+    assert "lone surrogate" in err["message"]
+
+
+def test_valid_surrogate_pairs_still_work(live):
+    r = post(live, "/tokenize", '{"prompt": "\\ud83d\\ude00"}')  # an escaped emoji
+    assert r.status_code == 200 and r.json()["tokens"] == TOK.encode("\U0001F600", add_special_tokens=True)
+
+
+def test_broken_tool_schema_is_400_naming_tool_and_path(live):
+    tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "get_weather",
+                                               "parameters": {"type": "object", "properties": "str"}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 2}
+    err = assert_error(post(live, "/v1/chat/completions", body), 400, "tools[1].function.parameters")
+    assert "get_weather" in err["message"] and "properties" in err["message"]
+    assert_alive(live)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [-3]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/detokenize", {"tokens": [1, 10**30]}, "tokens"),
+])
+def test_every_token_id_is_checked(live, path, body, param):
+    assert_error(post(live, path, body), 400, param)
+
+
+@pytest.mark.parametrize("tiny,floor", [({"temperature": 1e-38}, {"temperature": 0.01}),
+                                        ({"repetition_penalty": 1e-300}, {"repetition_penalty": 0.01}),
+                                        ({"temperature": 1e-30, "repetition_penalty": 1e-300},
+                                         {"temperature": 0.01, "repetition_penalty": 0.01})])
+def test_extreme_sampling_values_run_at_the_safe_floor(live, tiny, floor):
+    """Before: NaN logits (token 0 every step for repetition_penalty=1e-300). Now the values run at the
+    floor, as vLLM documents for the temperature (0 < t < 1e-2 runs at 1e-2): a seeded request gives
+    exactly the tokens of the same request at the floor."""
+    def tokens(extra):
+        r = post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "seed": 3, "logprobs": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens(tiny) == tokens(floor)
+    assert_alive(live)
