@@ -201,10 +201,10 @@ def bench_kv(model) -> None:
 
 
 def bench_int8(model, args) -> None:
-    times = quant.select_kernels(model.config.hidden_size, 3 * model.config.hidden_size)
+    choice, times = quant.select_kernels(model.config.hidden_size, 3 * model.config.hidden_size)
     record("int8_kernels_us", **{b: {k: v * 1e6 for k, v in t.items()} for b, t in times.items()},
-           choice=dict(quant.KERNEL_CHOICE))
-    qmodel = quant.quantize_model(copy.deepcopy(model))
+           choice=choice)
+    qmodel = quant.quantize_model(copy.deepcopy(model), choice)
     prompt = workload(1, 64, 64, seed=1)[0]
     res = alternate({"int8": lambda: engine_decode_tok_s(qmodel, prompt, args.decode_tokens),
                      "fp32": lambda: engine_decode_tok_s(model, prompt, args.decode_tokens)}, args.rounds)
@@ -217,7 +217,7 @@ def bench_int8(model, args) -> None:
     int8_quality(model, qmodel, args, "small_random")
     if args.train_steps:
         tiny = train_tiny(args)
-        int8_quality(tiny, quant.quantize_model(copy.deepcopy(tiny)), args, "tiny_trained")
+        int8_quality(tiny, quant.quantize_model(copy.deepcopy(tiny), choice), args, "tiny_trained")
 
 
 def token_stream(path: str, n: int) -> torch.Tensor:

@@ -150,6 +150,6 @@ def test_n_samples_abort_and_expert_swap(model, prompts):
 
 def test_query_chunked_attention_is_exact(model, prompts, reference, monkeypatch):
     """Long prefill chunks are attended a few queries at a time (bounded score/gather memory)."""
-    from glm5.infer import paged_attention
-    monkeypatch.setattr(paged_attention, "SCORE_BYTES", 1)  # one query per chunk
+    from glm5.model import latent_attention
+    monkeypatch.setattr(latent_attention, "SCORE_CHUNK_BYTES", 1)  # one query per chunk
     assert run_all(make_engine(model, max_num_batched_tokens=64), prompts[2:]) == reference[2:]

@@ -4,7 +4,8 @@ import torch
 
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
-from glm5.infer.kv_cache import KVCache, bytes_per_token, expanded_bytes_per_token, num_blocks_for_budget
+from glm5.infer.kv_cache import num_blocks_for_budget
+from glm5.model.kv_cache import LatentKVCache, bytes_per_token, expanded_bytes_per_token
 from glm5.model.config import ModelConfig
 
 from ._tiny import tiny_config, tiny_model
@@ -15,7 +16,7 @@ def test_bytes_per_token_latent_vs_expanded():
     R, P, D, H = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim, cfg.num_attention_heads
     assert bytes_per_token(cfg) == 4 * (4 * (R + P) + 2 * D)
     assert expanded_bytes_per_token(cfg) == 4 * (4 * H * (cfg.qk_head_dim + cfg.v_head_dim) + 2 * D)
-    cache = KVCache(cfg, num_blocks=3, block_size=4)
+    cache = LatentKVCache(cfg, num_blocks=3, block_size=4)
     assert cache.nbytes == 12 * cache.bytes_per_token()
     assert [t is None for t in cache.index_k] == [False, True, False, True]
     g5 = ModelConfig.from_preset("glm-5")  # 78 layers: (512 + 64) latent + 128 indexer key, bf16

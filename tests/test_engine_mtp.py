@@ -6,8 +6,7 @@ import torch
 
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
-from glm5.infer.mtp import target_probs
-from glm5.infer.sampling import SamplingParams, SamplingRow
+from glm5.infer.sampling import SamplingParams
 
 from ._tiny import tiny_model
 
@@ -94,15 +93,6 @@ def test_mtp_sampling_reproducible_and_budget(model):
     a = run(make(model, 2), PROMPTS, params)
     b = run(make(model, 2, max_num_seqs=1), PROMPTS, params)  # one request at a time
     assert a == b and all(len(x) == 10 for x in a)
-
-
-def test_target_probs_follow_sampler_rules():
-    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.0]])
-    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=2), [], []),
-            SamplingRow(SamplingParams(temperature=0.0), [], [])]
-    p = target_probs(x, [1.0, 0.0], rows)
-    assert torch.allclose(p[0], torch.softmax(torch.tensor([2.0, 1.0, -1e9, -1e9]), -1))
-    assert p[1].tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
 def test_drafts_equal_model_mtp_head(model):

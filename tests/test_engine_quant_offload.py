@@ -69,7 +69,7 @@ def test_int8_engine_matches_quantized_model():
     m = tiny_model(seed=6, index_topk=6)
     q = quant.quantize_model(copy.deepcopy(m), {"small": "dequant", "large": "dequant"})
     ref = [q.generate_greedy(torch.tensor([p]), 8)[0, len(p):].tolist() for p in PROMPTS]
-    engine = LLMEngine(engine_opts(quantization="int8"), model=copy.deepcopy(m))
+    engine = LLMEngine(engine_opts(quantization="int8", int8_kernel="dequant"), model=copy.deepcopy(m))
     assert isinstance(engine.model.lm_head, quant.Int8Linear)
     assert run(engine, PROMPTS) == ref
 
@@ -116,17 +116,3 @@ def test_expert_cache_lru_and_offload_swap(checkpoint):
     assert torch.equal(gate_up, m.model.layers[layer].mlp.experts.gate_up_proj[3])
     ex.set_expert(3, {"down": torch.ones_like(down)})
     assert torch.equal(ex.expert(3)[1], torch.ones_like(down))
-
-
-def test_inference_experts_bitwise_equal_model_experts():
-    """The engine's expert loop (and its one-token fast path) sums in the model's order: same bits."""
-    from glm5.infer.experts import InferenceExperts
-    m = tiny_model(seed=8)
-    moe = m.model.layers[1].mlp
-    fast = InferenceExperts(moe.experts)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n in (1, 1, 1, 7):
-            x = torch.randn(n, m.config.hidden_size, generator=g)
-            _, _, w, idx = moe.gate(x)
-            assert torch.equal(fast(x, idx, w), moe.experts(x, idx, w))

@@ -1,5 +1,7 @@
 """Grouped MoE vs the per-expert loop, routing rules, and the seeds' routing options."""
 
+import math
+
 import pytest
 import torch
 
@@ -73,19 +75,29 @@ def test_softmax_top2_gating_and_temperature():
     assert torch.allclose(w.sum(-1), torch.ones(7), atol=1e-6)
 
 
-def test_capacity_factor_drops_overflow_in_token_order():
+def test_capacity_factor_per_sequence_causal_budget():
+    """Token t of a sequence keeps expert e iff fewer than ceil(cf * (t + 1) * A / E) earlier tokens of the
+    same sequence went to e (a Python loop as the reference); rows of a batch never share a budget."""
     m = _moe(n_routed_experts=8, num_experts_per_tok=2, moe_capacity_factor=0.5)
-    x = torch.randn(40, 64)
-    _, _, _, idx = m.gate(x)
-    keep = m._keep_mask(idx)
-    cap = int(0.5 * 40 * 2 / 8 + 0.999)
-    for e in range(8):
-        pos = (idx == e).nonzero()  # rows in token order
-        kept = keep[pos[:, 0], pos[:, 1]]
-        assert kept.sum() == min(cap, len(pos))
-        assert kept[: min(cap, len(pos))].all()  # the earliest tokens win
-    y, stats = m(x[None])
-    assert stats["dropped_tokens"] == int((~keep).sum()) > 0
+    x = torch.randn(2, 40, 64)
+    with torch.no_grad():
+        y, stats = m(x)
+        idx = m.gate(x.reshape(-1, 64))[3].view(2, 40, 2)
+        want = torch.zeros(2, 40, 2, dtype=torch.bool)
+        for b in range(2):
+            seen = [0] * 8
+            for t in range(40):
+                cap = math.ceil(0.5 * (t + 1) * 2 / 8)
+                for a in range(2):
+                    e = int(idx[b, t, a])
+                    want[b, t, a] = seen[e] < cap
+                for a in range(2):
+                    seen[int(idx[b, t, a])] += 1
+        assert stats["dropped_tokens"] == int((~want).sum()) > 0
+        keep = m._keep_mask(idx.view(-1, 2), x.shape, None)
+        assert torch.equal(keep.view(2, 40, 2), want)
+        y1, _ = m(x[1:, :25])  # a prefix of one row alone: same outputs (causal, per sequence)
+        assert torch.allclose(y1, y[1:, :25], atol=1e-6)
 
 
 def test_expert_dropout_only_in_training():
@@ -141,3 +153,14 @@ def test_cuda_autocast_grouped_mm_trains_fp32_masters():
         m.use_reference = True
         ref, _ = m(x[None])
     assert (y.float() - ref).abs().max() <= 5e-2 * ref.abs().max()
+
+
+def test_inference_expert_loop_equals_reference():
+    """Without autograd the experts run the per-expert loop the engine uses (incl. its one-token path)."""
+    m = _moe(n_routed_experts=8, num_experts_per_tok=2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n in (1, 7):
+            x = torch.randn(n, 64, generator=g)
+            _, _, w, idx = m.gate(x)
+            assert torch.allclose(m.experts(x, idx, w), m.experts.forward_reference(x, idx, w), atol=1e-6)

@@ -10,7 +10,7 @@ import torch
 
 from glm5.infer.beam_search import BeamSearch
 from glm5.infer.sampling import (Sampler, SamplingParams, SamplingRow, apply_min_p, apply_penalties,
-                                 apply_top_k_top_p, prompt_logprobs, spec_verify)
+                                 apply_top_k_top_p, logprobs_of, spec_verify)
 
 
 def row(prompt=(1, 2), output=(), generator=None, stop_ids=(), **params):
@@ -136,13 +136,16 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert full.logprobs.shape == (1, 31)
 
 
-def test_prompt_logprobs_helper():
-    logits = torch.randn(4, 10)
-    prompt = [3, 1, 4, 1]
-    ids, lps, ranks = prompt_logprobs(logits, prompt, 2)
+def test_logprobs_of_given_tokens():
+    logits = torch.randn(3, 10)
+    got = logprobs_of(logits, [1, 4, 1], 2)
     ref = torch.log_softmax(logits, dim=-1)
-    assert ids[:, 0].tolist() == [1, 4, 1] and ids.shape == (3, 3)
-    assert torch.allclose(lps[:, 0], ref[torch.arange(3), torch.tensor([1, 4, 1])])
+    for j, tok in enumerate([1, 4, 1]):
+        assert got[j][tok].logprob == pytest.approx(float(ref[j, tok]), abs=1e-6)
+        assert got[j][tok].rank == int((ref[j] > ref[j, tok]).sum()) + 1
+        top = ref[j].topk(2).indices.tolist()
+        assert set(got[j]) == set(top) | {tok} and [got[j][t].rank for t in top] == [1, 2]
+    assert len(logprobs_of(logits[:1], [0], -1)[0]) == 10
 
 
 def test_min_tokens_masks_eos_and_stop_ids():

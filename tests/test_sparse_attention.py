@@ -7,6 +7,7 @@ import torch
 
 import glm5.model.attention as attention
 import glm5.model.indexer as indexer
+import glm5.model.latent_attention as latent_attention
 from glm5.model.indexer import dsa_topk, window_select
 from glm5.model.layers import rope_angles
 from glm5.model.masks import MaskSpec
@@ -68,7 +69,7 @@ def test_sparse_topk_matches_bruteforce_and_chunking(monkeypatch):
     assert sel[0].shape == (2, 30, 6)  # [B, T, K]: memory grows with T*K
     assert torch.allclose(out, ref, atol=1e-5)
     monkeypatch.setattr(indexer, "SCORE_CHUNK_BYTES", 1)  # one query row per chunk
-    monkeypatch.setattr(attention, "SCORE_CHUNK_BYTES", 1)
+    monkeypatch.setattr(latent_attention, "SCORE_CHUNK_BYTES", 1)
     out2, sel2 = attn(x, cos, sin, MaskSpec())
     picked = lambda s: torch.where(s[1], s[0], -1)  # noqa: E731  (invalid slots may hold anything)
     assert torch.equal(picked(sel), picked(sel2)) and torch.allclose(out, out2, atol=1e-6)

@@ -33,6 +33,7 @@ class EngineConfig:
 
     # model execution
     quantization: Literal["int8"] | None = None  # weight-only INT8 (experts in groups)
+    int8_kernel: Literal["auto", "int8pack", "int_mm", "dequant"] = "auto"  # auto: measured per row count
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
     max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts

@@ -18,12 +18,13 @@ import torch
 
 from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import cast_model, from_pretrained
+from glm5.model.kv_cache import bytes_per_token
 from glm5.model.model import GLM5ForCausalLM
 
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
-from .experts import apply_expert_updates, expert_stats, parse_expert_updates, use_inference_experts
-from .kv_cache import available_memory_bytes, bytes_per_token, num_blocks_for_budget
+from .experts import apply_expert_updates, expert_stats, parse_expert_updates
+from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, fan_out
 from .runner import ModelRunner
@@ -103,10 +104,10 @@ class LLMEngine:
     # ---- construction helpers -----------------------------------------------------------------------
     def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
         c = self.config
-        use_inference_experts(model)
         if c.quantization == "int8":
             from .quant import quantize_model  # noqa: PLC0415
-            quantize_model(model)
+            k = c.int8_kernel
+            quantize_model(model, None if k == "auto" else {"small": k, "large": k})
         return model
 
     def _num_blocks(self) -> int:

@@ -1,6 +1,7 @@
 """Routed-expert weight access shared by hot swap, INT8 and offload: parse/validate swap updates, write
 one expert into whatever expert module a layer has (fused fp tensors, INT8, offloaded LRU), and
 collect expert-cache statistics. Expert e's weights are gate [I, H], up [I, H], down [H, I].
+(The expert computation itself lives in glm5/model/moe.py; INT8 and offload swap the expert module.)
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from glm5.model.config import ModelConfig
 
@@ -53,66 +52,6 @@ def parse_expert_updates(updates: dict, cfg: ModelConfig, dtype: torch.dtype) ->
                 raise ValueError(f"layer {layer} expert {expert} {part}_proj holds NaN or Inf")
             parts[part] = t.to(dtype)
     return grouped
-
-
-def sort_by_expert(idx: torch.Tensor, n_experts: int, keep=None):
-    """Assignments grouped by expert: (order [M] into the flat N*A list, token [M], counts [E])."""
-    A = idx.shape[1]
-    flat = idx.reshape(-1)
-    if keep is not None:
-        flat = torch.where(keep.reshape(-1), flat, n_experts)  # dropped -> a virtual expert E
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]
-    order = order[: int(counts.sum())]
-    return order, order // A, counts
-
-
-def expert_loop(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep, n_experts: int, ffn) -> torch.Tensor:
-    """Routed-expert output [N, H] for x [N, H], idx/weights [N, A]: tokens sorted by expert, then
-    `ffn(e, rows [n, H]) -> [n, H]` once per expert that received tokens (the inference hot path:
-    contiguous slices, no per-expert views of unused experts)."""
-    if x.shape[0] == 1 and keep is None:  # one token (batch-1 decode): no sort, same summation order
-        out = torch.zeros_like(x)  # [1, H]
-        w = weights[0].tolist()
-        for a, e in sorted(enumerate(idx[0].tolist()), key=lambda ae: ae[1]):
-            out += ffn(e, x) * w[a]  # w[a] came from fp32: the product is the one the sorted path forms
-        return out
-    order, token, counts = sort_by_expert(idx, n_experts, keep)
-    xs = x[token]  # [M, H]
-    outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(ffn(e, xs[start:start + n]))
-            start += n
-    ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, token, ys)
-
-
-class InferenceExperts(nn.Module):
-    """The model's fused `Experts` weights (shared, not copied) with the inference expert loop: the
-    training-oriented forward unbinds every expert's weight per call, which costs more than the
-    matmuls at decode batch sizes."""
-
-    def __init__(self, experts: nn.Module):
-        super().__init__()
-        self.n_experts, self.inter = experts.n_experts, experts.inter
-        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
-
-    def forward(self, x, idx, weights, keep=None) -> torch.Tensor:
-        return expert_loop(x, idx, weights, keep, self.n_experts, self._ffn)
-
-    def _ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
-
-
-def use_inference_experts(model) -> None:
-    """Swap every plain `Experts` block for `InferenceExperts` (same parameters), in place."""
-    for layer in model.model.layers:
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None and type(getattr(mlp, "experts", None)).__name__ == "Experts":
-            mlp.experts = InferenceExperts(mlp.experts)
 
 
 def experts_module(model, layer: int):

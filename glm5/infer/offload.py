@@ -23,8 +23,8 @@ from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import cast_model, dequantize_fp8, load_hf_state_dict
 from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
+from glm5.model.moe import ExpertLoop
 
-from .experts import expert_loop
 
 
 class ExpertCache:
@@ -66,8 +66,8 @@ class ExpertCache:
                 or (self.max_bytes is not None and self.nbytes > self.max_bytes))
 
 
-class OffloadedExperts(nn.Module):
-    """Drop-in for `Experts`: same forward, weights fetched per expert through an `ExpertCache`."""
+class OffloadedExperts(ExpertLoop):
+    """Drop-in for `Experts`: the `ExpertLoop` forwards, weights fetched per expert through an `ExpertCache`."""
 
     def __init__(self, cfg: ModelConfig, layer: int, tensors: LazyTensors, cache: ExpertCache,
                  dtype: torch.dtype, device, fp8_block=(128, 128)):
@@ -94,11 +94,7 @@ class OffloadedExperts(nn.Module):
     def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.get((self.layer, e), lambda: self._load(e))
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep=None) -> torch.Tensor:
-        """x [N, H], idx/weights [N, A] -> [N, H]."""
-        return expert_loop(x, idx, weights, keep, self.n_experts, self._ffn)
-
-    def _ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+    def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.expert(e)
         gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts import expert_loop
+from glm5.model.moe import ExpertLoop, Experts
 
 KERNELS = ("int8pack", "int_mm", "dequant")
-# kernel per row bucket: "small" = M <= SMALL_M (decode), "large" (prefill); set by select_kernels
-KERNEL_CHOICE = {"small": "int8pack", "large": "int_mm"}
+# kernel per row bucket: "small" = M <= SMALL_M (decode), "large" (prefill); measured in docs/bench-engine.md.
+# Each quantised module holds its own choice (quantize_model(kernels=...), e.g. from select_kernels).
+DEFAULT_KERNELS = {"small": "int8pack", "large": "int_mm"}
 SMALL_M = 16
 _SKIP = ("kv_b_proj", "indexer")  # module names kept in full precision (the router is no nn.Linear)
 
@@ -37,11 +38,14 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def int8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, kernel: str | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ (wq * scale)^T, in x's dtype."""
+def int8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, kernel: str | dict | None = None
+                ) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (wq * scale)^T, in x's dtype. `kernel`: a name, or {"small", "large"} -> name
+    chosen by row count (default DEFAULT_KERNELS)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [M, K]
-    kernel = kernel or KERNEL_CHOICE["small" if x2.shape[0] <= SMALL_M else "large"]
+    if not isinstance(kernel, str):
+        kernel = (kernel or DEFAULT_KERNELS)["small" if x2.shape[0] <= SMALL_M else "large"]
     if kernel == "int8pack" and x2.device.type == "cpu":
         y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), wq, scale.to(torch.bfloat16))
     elif kernel == "int_mm" and x2.shape[0] > 0:
@@ -54,8 +58,9 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, kernel: 
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernels: dict | None = None):
         super().__init__()
+        self.kernels = dict(kernels or DEFAULT_KERNELS)
         q, s = quantize_weight(linear.weight.data)
         self.register_buffer("weight_int8", q)
         self.register_buffer("scale", s)
@@ -63,15 +68,17 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8_linear(x, self.weight_int8, self.scale)
+        y = int8_linear(x, self.weight_int8, self.scale, self.kernels)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
-class Int8Experts(nn.Module):
-    """`Experts` with int8 gate_up [E, 2I, H] / down [E, H, I] and per-expert per-channel scales."""
+class Int8Experts(ExpertLoop):
+    """`Experts` with int8 gate_up [E, 2I, H] / down [E, H, I] and per-expert per-channel scales; the
+    routed and soft forwards come from `ExpertLoop` over `ffn`."""
 
-    def __init__(self, experts: nn.Module):
+    def __init__(self, experts: nn.Module, kernels: dict | None = None):
         super().__init__()
+        self.kernels = dict(kernels or DEFAULT_KERNELS)
         self.n_experts, self.inter = experts.n_experts, experts.inter
         gu, gu_s = quantize_weight(experts.gate_up_proj.data)
         dn, dn_s = quantize_weight(experts.down_proj.data)
@@ -80,13 +87,9 @@ class Int8Experts(nn.Module):
         self.register_buffer("down_int8", dn)
         self.register_buffer("down_scale", dn_s)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep=None) -> torch.Tensor:
-        """x [N, H], idx/weights [N, A] -> [N, H] (the same token sort as the fp `Experts`)."""
-        return expert_loop(x, idx, weights, keep, self.n_experts, self._ffn)
-
-    def _ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        gate, up = int8_linear(xs, self.gate_up_int8[e], self.gate_up_scale[e]).chunk(2, dim=-1)  # [n, I] each
-        return int8_linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e])
+    def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = int8_linear(xs, self.gate_up_int8[e], self.gate_up_scale[e], self.kernels).chunk(2, dim=-1)
+        return int8_linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e], self.kernels)  # [n, H]
 
     @torch.no_grad()
     def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
@@ -101,18 +104,17 @@ class Int8Experts(nn.Module):
 
 
 def quantize_model(model: nn.Module, kernels: dict | None = None) -> nn.Module:
-    """Swap every eligible nn.Linear for Int8Linear and every expert block for Int8Experts, in place."""
-    if kernels:
-        KERNEL_CHOICE.update(kernels)
+    """Swap every eligible nn.Linear for Int8Linear and every expert block for Int8Experts, in place;
+    `kernels` ({"small", "large"} -> kernel name) defaults to DEFAULT_KERNELS."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
             if any(s in full for s in _SKIP):
                 continue
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8Linear(child))
-            elif child.__class__.__name__ in ("Experts", "InferenceExperts"):
-                setattr(module, child_name, Int8Experts(child))
+                setattr(module, child_name, Int8Linear(child, kernels))
+            elif isinstance(child, Experts):
+                setattr(module, child_name, Int8Experts(child, kernels))
     return model
 
 
@@ -133,10 +135,8 @@ def time_kernel(kernel: str, m: int, k: int, n: int, iters: int = 20) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def select_kernels(k: int, n: int, iters: int = 20) -> dict[str, dict[str, float]]:
-    """Measure every kernel at M=1 and M=64 for a K x N weight; set KERNEL_CHOICE to the fastest."""
-    times = {}
-    for bucket, m in (("small", 1), ("large", 64)):
-        times[bucket] = {kern: time_kernel(kern, m, k, n, iters) for kern in KERNELS}
-        KERNEL_CHOICE[bucket] = min(times[bucket], key=times[bucket].get)
-    return times
+def select_kernels(k: int, n: int, iters: int = 20) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+    """Measure every kernel at M=1 and M=64 for a K x N weight -> (fastest per bucket, seconds per call)."""
+    times = {bucket: {kern: time_kernel(kern, m, k, n, iters) for kern in KERNELS}
+             for bucket, m in (("small", 1), ("large", 64))}
+    return {bucket: min(t, key=t.get) for bucket, t in times.items()}, times

@@ -1,13 +1,12 @@
-"""`ModelRunner`: owns the model and the KV cache tensors; turns a `ScheduleOutput` into sampled tokens.
+"""`ModelRunner`: owns the KV cache tensors; turns a `ScheduleOutput` into sampled tokens.
 
-One step: flatten the scheduled chunks into `AttnMetadata` (paged_attention.py), run the paged forward
-(per layer: project, write latent / rope key / indexer key into the cache slots, absorbed MLA over the
-cache with DSA top-k when the context exceeds index_topk, shared IndexShare layers reusing the previous
-full layer's selection, then the dense MLP or MoE exactly as the model), compute logits only for rows
-that sample (and prompt-logprob rows), sample with the engine `Sampler` or verify MTP drafts, and
-propose the next drafts. It never allocates blocks: block tables come from the scheduler.
+One step: build the model's `AttnMetadata` from the scheduled chunks (input_batch.py) -> run the model's
+own forward over the flat tokens with the paged cache (`model(ids, attn_metadata=..., kv_cache=...)`:
+every layer, option and kernel is the model's) -> logits only for rows that sample (and prompt-logprob
+rows) -> sample with the engine `Sampler` or verify MTP drafts -> propose the next drafts. It never
+allocates blocks: block tables come from the scheduler.
 
-Dims: N flat tokens, H hidden, V vocab, R kv_lora_rank, P rope dim.
+Dims: N flat tokens, H hidden, V vocab, M logit rows.
 """
 
 from __future__ import annotations
@@ -16,15 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5.model.layers import rope_angles
+from glm5.model.kv_cache import LatentKVCache
 from glm5.model.model import GLM5ForCausalLM
-from glm5.model.moe import MoE
+from glm5.model.paged import AttnMetadata
 
 from .config import EngineConfig
-from .kv_cache import KVCache
-from .outputs import Logprob, PositionLogprobs
-from .paged_attention import AttnMetadata, SeqChunk, attend_group, build_metadata, select_topk
-from .sampling import Sampler, gather_logprobs
+from .input_batch import SeqChunk, build_metadata
+from .outputs import PositionLogprobs
+from .sampling import Sampler, logprobs_of, position_logprobs
 from .scheduler import ScheduleOutput, ScheduledRequest
 
 
@@ -35,6 +33,16 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)  # this chunk's
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
     hidden: torch.Tensor | None = None  # [N, H] final-norm hidden states of the step (MTP input)
+    router_stats: list[dict] = field(default_factory=list)  # the model's, one dict per MoE layer
+
+
+@dataclass
+class _Rows:
+    """Which logit rows belong to whom: sampling rows per request and prompt-logprob rows per request."""
+
+    indices: list[int] = field(default_factory=list)  # flat token index of each logit row
+    sample: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)  # (s, first row, n)
+    prompt: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)  # (s, first row, n)
 
 
 class ModelRunner:
@@ -43,15 +51,12 @@ class ModelRunner:
                  cache_dtype: torch.dtype = torch.float32):
         self.model, self.config, self.device = model, config, torch.device(device)
         self.cfg = model.config
-        if self.cfg.sparse_attention != "dsa":
-            raise ValueError("the paged engine runs DSA sparse attention only (sparse_attention='dsa'); "
-                             f"got {self.cfg.sparse_attention!r}")
         self.block_size = config.block_size
         self.with_mtp = config.speculative_num_tokens > 0
         if self.with_mtp and self.cfg.num_nextn_predict_layers < 1:
             raise ValueError("speculative_num_tokens > 0 needs a checkpoint with an MTP layer "
                              "(num_nextn_predict_layers >= 1)")
-        self.cache = KVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp)
+        self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp)
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.proposer = None
         if self.with_mtp:
@@ -59,80 +64,26 @@ class ModelRunner:
             self.proposer = MTPProposer(self, config.speculative_num_tokens)
 
     # ---- forward ----------------------------------------------------------------------------------
-    def metadata(self, chunks: list[SeqChunk]) -> AttnMetadata:
-        return build_metadata(chunks, self.block_size, self.cfg.index_topk, self.device)
+    def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
+        return build_metadata(chunks, self.block_size, self.device)
 
-    def rope(self, meta: AttnMetadata):
-        return rope_angles(meta.positions[None], self.model.model.inv_freq)  # [1, N, P/2] each
-
-    @torch.inference_mode()
-    def forward(self, meta: AttnMetadata) -> torch.Tensor:
-        """Paged forward of the main layers -> final-norm hidden states [N, H]."""
-        x = self.model.model.embed_tokens(meta.input_ids)[None]  # [1, N, H]
-        cos, sin = self.rope(meta)
-        sels: dict[int, tuple] = {}
-        for i, layer in enumerate(self.model.model.main_layers):
-            x = self.layer_forward(i, layer, x, cos, sin, meta, sels)
-        return self.model.model.norm(x)[0]
-
-    def layer_forward(self, cache_layer: int, layer, x, cos, sin, meta: AttnMetadata, sels: dict) -> torch.Tensor:
-        """One decoder layer over the flat tokens x [1, N, H]; `sels` carries each group's top-k."""
-        attn = layer.self_attn
-        xn = layer.input_layernorm(x)
-        q_nope, q_rope, q_resid = attn.project_q(xn, cos, sin)  # [1, N, h, E], [1, N, h, P]
-        c_kv, k_rope = attn.project_kv(xn, cos, sin)  # [1, N, R], [1, N, P]
-        ki = attn.indexer.project_k(xn, cos, sin)[0] if attn.indexer is not None else None  # [N, D]
-        self.cache.write(cache_layer, meta.slot_mapping, c_kv[0], k_rope[0], ki)
-        qq = torch.cat([attn.absorb_q(q_nope), q_rope], dim=-1)[0]  # [N, h, R+P]
-        qi = wi = None
-        if attn.indexer is not None and any(g.needs_selection for g in meta.groups):
-            qi, wi = attn.indexer.project_q(xn, q_resid, cos, sin)
-            qi, wi = qi[0], wi[0]  # [N, I, D], [N, I]
-        o_lat = None if meta.groups[0].is_identity else qq.new_zeros(qq.shape[0], qq.shape[1], self.cfg.kv_lora_rank)
-        for g_id, group in enumerate(meta.groups):
-            sel = None
-            if group.needs_selection:
-                if attn.indexer is not None:
-                    sels[g_id] = select_topk(attn.indexer, self.cache, cache_layer, group, qi, wi,
-                                             self.cfg.index_topk)
-                elif g_id not in sels:
-                    raise ValueError(f"layer {attn.layer_idx} shares a top-k selection nobody produced")
-                sel = sels[g_id]
-            o = attend_group(self.cache, cache_layer, group, qq, sel, attn.scale)  # [B, T, h, R]
-            if group.is_identity:
-                o_lat = o[0]  # [N, h, R]: the group is the whole step, in order
-            else:
-                o_lat[group.q_index[group.q_valid]] = o[group.q_valid]
-        h = x + attn.latent_to_output(o_lat)[None]
-        return h + mlp_forward(layer.mlp, layer.post_attention_layernorm(h))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()  # [M, V]
-
-    # ---- one engine step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, out: ScheduleOutput) -> RunnerOutput:
         result = RunnerOutput()
         if out.is_empty():
             return result
-        chunks = [self._chunk(s) for s in out.scheduled]
-        meta = self.metadata(chunks)
-        hidden = self.forward(meta)
-        result.hidden = hidden
-        sample_rows, row_owner = [], []
-        for i, s in enumerate(out.scheduled):
-            q0, q1 = meta.query_start[i], meta.query_start[i + 1]
-            if s.request.params.prompt_logprobs is not None:
-                self._prompt_logprobs(s, hidden[q0:q1], result)
-            if s.samples:
-                n = 1 + len(s.spec_token_ids)
-                sample_rows.extend(range(q1 - n, q1))
-                row_owner.append((s, len(sample_rows) - n, n))
-        if sample_rows:
-            logits = self.logits(hidden[torch.tensor(sample_rows, device=self.device)])  # [M, V]
-            self._sample(logits, row_owner, result)
+        ids, meta = self.metadata([self._chunk(s) for s in out.scheduled])
+        rows = self._logit_rows(out, meta)
+        meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
+        fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
+        result.hidden, result.router_stats = fwd.hidden_states[0], fwd.router_stats
+        logits = fwd.logits[0].float()  # [M, V]
+        for s, r0, n in rows.prompt:
+            self._prompt_logprobs(s, logits[r0:r0 + n], result)
+        if rows.sample:
+            self._sample(logits, rows.sample, result)
         if self.proposer is not None:
-            result.draft_token_ids = self.proposer.propose(out, meta, hidden, result.sampled)
+            result.draft_token_ids = self.proposer.propose(out, meta, result.hidden, result.sampled)
         return result
 
     def _chunk(self, s: ScheduledRequest) -> SeqChunk:
@@ -140,61 +91,55 @@ class ModelRunner:
         tokens = (req.all_token_ids + s.spec_token_ids)[s.start:s.start + s.num_tokens]
         return SeqChunk(req.request_id, s.start, tokens, req.block_ids)
 
-    def _sample(self, logits: torch.Tensor, row_owner, result: RunnerOutput) -> None:
-        rows = [s.request.sampling_row(j) for s, _, n in row_owner for j in range(n)]
-        plain = [r0 for _, r0, n in row_owner if n == 1]  # rows without drafts: one batched sampler call
-        sampled = {}
+    @staticmethod
+    def _logit_rows(out: ScheduleOutput, meta: AttnMetadata) -> _Rows:
+        """Rows that need logits: prompt positions that predict a prompt token (prompt_logprobs), then the
+        last 1 + drafts positions of each chunk that samples."""
+        rows = _Rows()
+        for i, s in enumerate(out.scheduled):
+            q0, q1 = meta.query_start[i], meta.query_start[i + 1]
+            if s.request.params.prompt_logprobs is not None:
+                last = min(s.start + s.num_tokens, s.request.num_prompt_tokens - 1)  # [start, last) predict
+                n = max(last - s.start, 0)
+                rows.prompt.append((s, len(rows.indices), n))
+                rows.indices.extend(range(q0, q0 + n))
+            if s.samples:
+                n = 1 + len(s.spec_token_ids)
+                rows.sample.append((s, len(rows.indices), n))
+                rows.indices.extend(range(q1 - n, q1))
+        return rows
+
+    def _sample(self, logits: torch.Tensor, owners, result: RunnerOutput) -> None:
+        plain = [(s, r0) for s, r0, n in owners if n == 1]  # rows without drafts: one batched sampler call
         if plain:
-            ids = self.sampler(logits[plain], [rows[r] for r in plain]).token_ids.tolist()
-            sampled = dict(zip(plain, ids))
-        for s, r0, n in row_owner:
-            req = s.request
+            so = self.sampler(logits[[r0 for _, r0 in plain]], [s.request.sampling_row() for s, _ in plain])
+            ids = so.token_ids.tolist()
+            for j, (s, _) in enumerate(plain):
+                req = s.request
+                result.sampled[req.request_id] = [ids[j]]
+                k = req.params.logprobs
+                if k is not None:
+                    k = so.logprobs.shape[1] - 1 if k == -1 else k
+                    rank = int(so.sampled_ranks[j])
+                    result.logprobs[req.request_id] = [position_logprobs(so.logprob_token_ids[j], so.logprobs[j],
+                                                                         rank, k)]
+        for s, r0, n in owners:
             if n == 1:
-                tokens = [sampled[r0]]
-            else:
-                tokens = self.proposer.verify(logits[r0:r0 + n], rows[r0:r0 + n], s)
+                continue
+            req = s.request
+            tokens = self.proposer.verify(logits[r0:r0 + n], [req.sampling_row(j) for j in range(n)], s)
             result.sampled[req.request_id] = tokens
             if req.params.logprobs is not None:
-                result.logprobs[req.request_id] = self._logprobs(logits[r0:r0 + len(tokens)], tokens,
-                                                                 req.params.logprobs)
+                result.logprobs[req.request_id] = logprobs_of(logits[r0:r0 + len(tokens)], tokens,
+                                                              req.params.logprobs)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], k: int) -> list[PositionLogprobs]:
-        """log_softmax of the raw logits: the chosen token (with its rank) plus the top-k."""
-        k = raw.shape[-1] if k == -1 else k
-        ids, lps, ranks = gather_logprobs(raw, torch.tensor(tokens, device=raw.device), k)
-        return [to_position_logprobs(ids[j], lps[j], int(ranks[j])) for j in range(len(tokens))]
-
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, result: RunnerOutput) -> None:
+    def _prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput) -> None:
         """Logprobs of prompt tokens start+1 .. predicted inside this chunk (position p predicts p+1)."""
         req = s.request
-        last = min(s.start + s.num_tokens, req.num_prompt_tokens - 1)  # positions [start, last) predict
         entries: list[PositionLogprobs | None] = [None] if s.start == 0 else []
-        if last > s.start:
-            logits = self.logits(hidden[: last - s.start])  # [last - start, V]
-            targets = torch.tensor(req.prompt_token_ids[s.start + 1:last + 1], device=logits.device)
-            k = req.params.prompt_logprobs
-            ids, lps, ranks = gather_logprobs(logits, targets, logits.shape[-1] if k == -1 else k)
-            entries += [to_position_logprobs(ids[j], lps[j], int(ranks[j])) for j in range(ids.shape[0])]
+        n = logits.shape[0]
+        if n:
+            targets = req.prompt_token_ids[s.start + 1:s.start + 1 + n]
+            entries += logprobs_of(logits, targets, req.params.prompt_logprobs)
         result.prompt_logprobs[req.request_id] = entries
-
-
-def mlp_forward(mlp, x: torch.Tensor) -> torch.Tensor:
-    """The layer's MLP as the model computes it; a plain top-k MoE skips the router statistics the
-    training loop needs (bincounts, logits kept for losses), which cost real time per decode step."""
-    cfg = getattr(mlp, "cfg", None)
-    if isinstance(mlp, MoE) and cfg.moe_type == "topk" and cfg.moe_capacity_factor is None:
-        xf = x.reshape(-1, x.shape[-1])  # [N, H]
-        _, _, weights, idx = mlp.gate(xf)
-        return mlp.experts(xf, idx, weights).to(x.dtype).view(x.shape) + mlp.shared_experts(x)
-    m = mlp(x)
-    return m[0] if isinstance(m, tuple) else m
-
-
-def to_position_logprobs(ids: torch.Tensor, lps: torch.Tensor, rank: int) -> PositionLogprobs:
-    """Row of gather_logprobs (column 0 = the chosen token) -> {token_id: Logprob}."""
-    ids, lps = ids.tolist(), lps.tolist()
-    out = {ids[0]: Logprob(lps[0], rank)}
-    for j, (t, lp) in enumerate(zip(ids[1:], lps[1:])):
-        out.setdefault(t, Logprob(lp, j + 1))
-    return out

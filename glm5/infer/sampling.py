@@ -344,14 +344,13 @@ def position_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, rank: int | Non
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence, k: int):
-    """Prompt logprobs from a prompt's logits [T, V] (position t predicts token t + 1).
-
-    Returns (ids [T-1, 1+K], logprobs [T-1, 1+K], ranks [T-1]) for prompt tokens 1..T-1; column 0 is the
-    prompt token itself. The first prompt token has no logprob (vLLM reports None for it)."""
-    targets = torch.as_tensor(prompt_token_ids[1:], device=logits.device)
-    k = logits.shape[1] if k == -1 else k
-    return gather_logprobs(logits[:-1], targets, k)
+def logprobs_of(raw: torch.Tensor, token_ids: Sequence, k: int) -> list[PositionLogprobs]:
+    """Per row of raw logits [n, V]: the logprob (and rank) of token_ids[i] plus the top-k (-1 = the whole
+    vocabulary), from log_softmax of the raw logits (prompt logprobs; verified speculative tokens)."""
+    k = raw.shape[-1] if k == -1 else k
+    ids, lps, ranks = gather_logprobs(raw, torch.as_tensor(token_ids, device=raw.device), k)
+    ranks = ranks.tolist()
+    return [position_logprobs(ids[j], lps[j], ranks[j], k) for j in range(ids.shape[0])]
 
 
 def spec_verify(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: Sequence,

@@ -1,14 +1,16 @@
-"""Multi-head latent attention (MLA) with DSA sparse key selection.
+"""Multi-head latent attention (MLA) with DSA sparse key selection; one module for training and serving.
 
 Queries go through a low-rank bottleneck (q_a -> RMSNorm -> q_b); keys/values are compressed into one
 latent `c_kv` [kv_lora_rank] plus one shared rope key [qk_rope_head_dim] per token (decoupled RoPE).
-Two execution paths, equal in exact arithmetic:
-  * dense: expand K/V per head with kv_b_proj and run SDPA (training / prefill when every allowed key is
-    selected, i.e. index_topk >= T as in GLM-5 below 2048 tokens);
-  * sparse: per query, gather only the K selected latents and attend in the latent space with kv_b_proj
-    absorbed into the query and the output (memory grows with T*K, never with heads*T*T); when the
-    sequence is short (S <= 4K) the selection is applied as a [B, T, S] mask on dense SDPA instead.
-The engine reuses the projection helpers (`project_q`, `project_kv`, `absorb_q`, `latent_to_output`).
+Execution paths, equal in exact arithmetic:
+  * dense (training, no cache): expand K/V per head with kv_b_proj and run SDPA, when every allowed key
+    is selected (index_topk >= T, as in GLM-5 below 2048 tokens);
+  * sparse (training): per query, gather only the K selected latents and attend in the latent space with
+    kv_b_proj absorbed into the query and the output (memory grows with T*K, never with heads*T*T); when
+    the sequence is short (S <= 4K) the selection is applied as a [B, T, S] mask on dense SDPA instead;
+  * paged (serving: `PagedContext`): write this step's latent / rope key / indexer key rows into the
+    cache, then per attention group absorbed MLA over the cached rows, dense or over the selected keys.
+The key selection (DSA top-k or the window+global pattern) is the same function on every path.
 
 Dims: B batch, T queries, S keys, H heads, R kv_lora_rank, P qk_rope_head_dim, E nope dim, V v dim, K selected.
 """
@@ -20,9 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .indexer import SCORE_CHUNK_BYTES, Indexer, dsa_topk, window_select
+from .indexer import Indexer, dsa_topk, window_select
+from .latent_attention import dense_latent_attention, gathered_latent_attention
 from .layers import RMSNorm, apply_rope
 from .masks import MaskSpec
+from .paged import AttnGroup, PagedContext
+
+Selection = tuple[torch.Tensor, torch.Tensor]  # (idx, valid) [B, T, K]: selected key indices per query
 
 
 # Sparse layers with at most this many keys per selected key run dense SDPA under a selection mask
@@ -50,7 +56,7 @@ class MLAttention(nn.Module):
         self.indexer = (Indexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
                                 cfg.qk_rope_head_dim, cfg.indexer_rope_interleave) if has_indexer else None)
 
-    # --- projections (shared with the inference engine) ---------------------------------------------
+    # --- projections -------------------------------------------------------------------------------
     def project_q(self, x: torch.Tensor, cos, sin):
         """-> q_nope [B, T, H, E], q_rope (rotated) [B, T, H, P], q_resid [B, T, q_lora_rank]."""
         B, T, _ = x.shape
@@ -81,16 +87,23 @@ class MLAttention(nn.Module):
         return self.o_proj(o.flatten(-2))
 
     # --- forward ------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: MaskSpec,
-                prev_topk: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x [B, T, hidden] -> (out [B, T, hidden], selection (idx, valid) [B, T, K] or None if dense)."""
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: MaskSpec | PagedContext,
+                prev_sel=None):
+        """x [B, T, hidden] -> (out [B, T, hidden], this layer's selection or None if dense).
+
+        Training: ctx is a MaskSpec and the selection is (idx, valid) [B, T, K]. Paged: x is [1, N, hidden]
+        (flat tokens) and the selection is a list with one entry per attention group."""
+        if isinstance(ctx, PagedContext):
+            return self._forward_paged(x, cos, sin, ctx, prev_sel)
         q_nope, q_rope, q_resid = self.project_q(x, cos, sin)
         c_kv, k_rope = self.project_kv(x, cos, sin)
         S = c_kv.shape[1]
-        sel = self.select(x, q_resid, cos, sin, S, mask, prev_topk)
+        sel = None
+        if self.needs_selection(S):
+            qi, wi, ki = self._index_inputs(x, q_resid, cos, sin)
+            sel = self.select(qi, wi, ki, ctx, prev_sel)
         if sel is None:
-            return self._dense(q_nope, q_rope, c_kv, k_rope, mask), None
+            return self._dense(q_nope, q_rope, c_kv, k_rope, ctx), None
         if S <= DENSE_MASK_RATIO * sel[0].shape[-1]:
             # Few keys per selected key: dense SDPA under the selection mask ([B, T, S] bools, no heads)
             # is cheaper than gathering; same result (tested).
@@ -100,27 +113,77 @@ class MLAttention(nn.Module):
         return self._sparse(q_nope, q_rope, c_kv, k_rope, sel), sel
 
     def needs_selection(self, num_keys: int) -> bool:
+        """Whether attention over `num_keys` keys selects keys (else every allowed key is attended)."""
         if self.cfg.sparse_attention == "window":
             return True
         return self.cfg.index_topk < num_keys
 
-    def select(self, x, q_resid, cos, sin, num_keys: int, mask: MaskSpec, prev_topk):
-        """Key selection for this layer: own indexer ("full"), the previous layer's ("shared"), or None."""
-        if not self.needs_selection(num_keys):
-            return None
+    def _index_inputs(self, x, q_resid, cos, sin):
+        """Indexer queries/weights for x, and its keys when this layer has its own indexer."""
         if self.indexer is None:
-            if prev_topk is None:
+            return None, None, None
+        qi, wi = self.indexer.project_q(x, q_resid, cos, sin)
+        return qi, wi, self.indexer.project_k(x, cos, sin)
+
+    def select(self, qi, wi, ki, mask: MaskSpec, prev_sel: Selection | None) -> Selection:
+        """Key selection for this layer: own indexer ("full") or the previous layer's ("shared").
+        qi [B, T, N, D], wi [B, T, N], ki [B, S, D] -> (idx, valid) [B, T, K]."""
+        if self.indexer is None:
+            if prev_sel is None:
                 raise ValueError(f"layer {self.layer_idx} is a 'shared' indexer layer but no previous full "
                                  "layer produced a top-k selection")
-            return prev_topk
-        qi, wi = self.indexer.project_q(x, q_resid, cos, sin)
-        ki = self.indexer.project_k(x, cos, sin)
+            return prev_sel
         cfg = self.cfg
         if cfg.sparse_attention == "window":
             return window_select(self.indexer, qi, wi, ki, mask, cfg.window_size, cfg.window_global_every,
                                  cfg.window_routed_blocks, cfg.window_block_size)
         return dsa_topk(self.indexer, qi, wi, ki, mask, cfg.index_topk)
 
+    # --- paged (serving) -----------------------------------------------------------------------------
+    def _forward_paged(self, x, cos, sin, ctx: PagedContext, prev_sel: list | None):
+        """Flat tokens x [1, N, hidden] -> (out [1, N, hidden], per-group selections)."""
+        meta, cache, layer = ctx.meta, ctx.cache, self.layer_idx
+        q_nope, q_rope, q_resid = self.project_q(x, cos, sin)  # [1, N, H, E], [1, N, H, P]
+        c_kv, k_rope = self.project_kv(x, cos, sin)  # [1, N, R], [1, N, P]
+        qi = wi = ki = None
+        if self.indexer is not None:
+            ki = self.indexer.project_k(x, cos, sin)[0]  # [N, D]: every full layer caches its indexer key
+        cache.write(layer, meta.slot_mapping, c_kv[0], k_rope[0], ki)
+        if self.indexer is not None and any(self.needs_selection(g.num_keys) for g in meta.groups):
+            qi, wi = self.indexer.project_q(x, q_resid, cos, sin)
+            qi, wi = qi[0], wi[0]  # [N, I, D], [N, I]
+        qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)[0]  # [N, H, R+P]
+        sels, o_lat = [], None
+        for gi, g in enumerate(meta.groups):
+            sel = None
+            if self.needs_selection(g.num_keys):
+                sel = self._select_group(g, qi, wi, cache, None if prev_sel is None else prev_sel[gi])
+            sels.append(sel)
+            o = self._attend_group(g, qq, cache.latent[layer], sel)  # [B, T, H, R]
+            if g.is_identity:
+                o_lat = o[0]  # [N, H, R]: the group is the whole step, in order
+            else:
+                if o_lat is None:
+                    o_lat = qq.new_zeros(qq.shape[0], qq.shape[1], self.kv_rank)
+                o_lat[g.q_index[g.q_valid]] = o[g.q_valid]
+        return self.latent_to_output(o_lat)[None], sels
+
+    def _select_group(self, g: AttnGroup, qi, wi, cache, prev_sel) -> Selection:
+        """The group's selection over its cached indexer keys (idx = key indices within each sequence)."""
+        if self.indexer is None:
+            return self.select(None, None, None, MaskSpec(), prev_sel)
+        ki = cache.gather_index_k(self.layer_idx, g.key_slots).float()  # [B, S, D]
+        mask = MaskSpec(causal=False, attention_mask=g.allowed, q_positions=g.q_pos)
+        return self.select(qi[g.q_index], wi[g.q_index], ki, mask, None)  # [B, T, I, D], [B, T, I]
+
+    def _attend_group(self, g: AttnGroup, qq: torch.Tensor, latent: torch.Tensor, sel) -> torch.Tensor:
+        """Absorbed MLA for one group over cache rows `latent` [slots, R+P] -> [B, T, H, R]."""
+        q = qq[g.q_index]  # [B, T, H, R+P]
+        if sel is None:
+            return dense_latent_attention(q, latent[g.key_slots], g.allowed, self.kv_rank, self.scale)
+        return gathered_latent_attention(q, latent, g.key_slots, sel[0], sel[1], self.kv_rank, self.scale)
+
+    # --- training kernels -----------------------------------------------------------------------------
     def _dense(self, q_nope, q_rope, c_kv, k_rope, mask: MaskSpec) -> torch.Tensor:
         B, T, S = q_nope.shape[0], q_nope.shape[1], c_kv.shape[1]
         kv = self.kv_b_proj(c_kv).view(B, S, self.n_heads, self.nope + self.v_dim)  # [B, S, H, E+V]
@@ -145,36 +208,12 @@ class MLAttention(nn.Module):
         o = o[..., : self.v_dim]  # [B, H, T, V]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
 
-    def _sparse(self, q_nope, q_rope, c_kv, k_rope, sel) -> torch.Tensor:
-        """Attend to the selected keys only, in the latent space. Chunked over queries."""
-        idx, valid = sel
-        B, T, K = idx.shape
-        q_lat = self.absorb_q(q_nope)  # [B, T, H, R]
-        lat = torch.cat([c_kv, k_rope], dim=-1)  # [B, S, R+P]
-        qq = torch.cat([q_lat, q_rope], dim=-1)  # [B, T, H, R+P]
-        per_row = B * K * (lat.shape[-1] + 2 * self.n_heads) * 4
-        c = max(1, SCORE_CHUNK_BYTES // per_row)
-        outs = []
-        for q0 in range(0, T, c):
-            q1 = min(T, q0 + c)
-            outs.append(sparse_latent_attention(qq[:, q0:q1], lat, idx[:, q0:q1], valid[:, q0:q1],
-                                                self.kv_rank, self.scale))
-        o_lat = torch.cat(outs, dim=1)  # [B, T, H, R]
+    def _sparse(self, q_nope, q_rope, c_kv, k_rope, sel: Selection) -> torch.Tensor:
+        """Attend to the selected keys only, in the latent space (the same kernel as the paged path, over
+        the batch's own latents as the key table)."""
+        B, S = c_kv.shape[:2]
+        qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [B, T, H, R+P]
+        lat = torch.cat([c_kv, k_rope], dim=-1).reshape(B * S, -1)  # [B*S, R+P]
+        rows = torch.arange(B * S, device=c_kv.device).view(B, S)  # [B, S] row of each key
+        o_lat = gathered_latent_attention(qq, lat, rows, sel[0], sel[1], self.kv_rank, self.scale)  # [B, T, H, R]
         return self.latent_to_output(o_lat)
-
-
-def sparse_latent_attention(qq: torch.Tensor, lat: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor,
-                            kv_rank: int, scale: float) -> torch.Tensor:
-    """Absorbed MLA over gathered keys.
-
-    qq [B, c, H, R+P] (latent query | rope query), lat [B, S, R+P] (latent | rope key),
-    idx/valid [B, c, K] -> latent output [B, c, H, R] (softmax over the K selected keys, fp32).
-    """
-    B, c, K = idx.shape
-    S = lat.shape[1]
-    rows = (idx + torch.arange(B, device=idx.device)[:, None, None] * S).reshape(-1)  # flat key rows
-    g = lat.reshape(B * S, -1).index_select(0, rows).view(B, c, K, -1)  # [B, c, K, R+P]
-    s = torch.matmul(qq, g.transpose(-1, -2)).float() * scale  # [B, c, H, K]
-    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).to(g.dtype)
-    return torch.matmul(p, g[..., :kv_rank])  # [B, c, H, R]

@@ -85,7 +85,7 @@ def dsa_topk(indexer: Indexer, q: torch.Tensor, w: torch.Tensor, k: torch.Tensor
     for q0 in range(0, T, c):
         q1 = min(T, q0 + c)
         # causal: keys past the chunk's last query can never be selected, so they are not scored
-        s_end = min(S, mask.q_offset + q1) if mask.causal else S
+        s_end = min(S, mask.q_offset + q1) if mask.causal and mask.q_positions is None else S
         sc = indexer.scores(q[:, q0:q1], w[:, q0:q1], k[:, :s_end])  # [B, c, s_end]
         allowed = mask.rows(q0, q1, s_end, q.device)
         if allowed is not None:
@@ -122,9 +122,9 @@ def window_select(indexer: Indexer | None, q, w, k, mask: MaskSpec, window: int,
         allowed = mask.rows(q0, q1, S, q.device)
         if allowed is None:
             allowed = torch.ones(1, q1 - q0, S, dtype=torch.bool, device=q.device)
-        qi = (torch.arange(q0, q1, device=q.device) + mask.q_offset)[:, None]  # [c, 1]
-        fixed = ((keys[None] <= qi) & (keys[None] > qi - window)) | (keys[None] % global_every == 0)  # [c, S]
-        sel = fixed[None] & allowed  # [B|1, c, S]
+        qi = mask.query_index(q0, q1, q.device)[:, :, None]  # [B|1, c, 1] key index of each query
+        fixed = ((keys <= qi) & (keys > qi - window)) | (keys % global_every == 0)  # [B|1, c, S]
+        sel = fixed & allowed  # [B|1, c, S]
         if routed_blocks > 0 and indexer is not None:
             sc = indexer.scores(q[:, q0:q1], w[:, q0:q1], k)  # [B, c, S]
             cand = allowed & ~sel  # keys a routed block could add

@@ -5,6 +5,9 @@ first `first_k_dense_replace` layers and the MoE block after. Each layer hands i
 next so that "shared" (IndexShare) layers reuse the last full indexer's top-k. Module names equal the
 HF names, so a state dict maps 1:1 except the fused experts (see hf_adapter.py).
 
+One forward serves training and the engine: given `attn_metadata` + `kv_cache` (paged.py) the same
+layers run over the flat tokens of many sequences, writing and reading the paged latent cache.
+
 Dims: B batch, T sequence, H hidden, V vocab.
 """
 
@@ -19,8 +22,10 @@ from torch import nn
 from .attention import MLAttention
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, rope_angles, rope_inv_freq
+from .kv_cache import LatentKVCache
 from .masks import MaskSpec
 from .moe import MoE
+from .paged import AttnMetadata, PagedContext
 
 
 @dataclass
@@ -40,20 +45,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = MLAttention(cfg, layer_idx, has_indexer)
-        self.mlp = MoE(cfg) if sparse_mlp else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg, layer_idx) if sparse_mlp else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask: MaskSpec, prev_sel=None):
+    def forward(self, x, cos, sin, ctx: MaskSpec | PagedContext, prev_sel=None):
         """-> (hidden [B, T, H], selection or None, router stats dict or None)."""
-        a, sel = self.self_attn(self.input_layernorm(x), cos, sin, mask, prev_sel)
+        a, sel = self.self_attn(self.input_layernorm(x), cos, sin, ctx, prev_sel)
         h = x + a
-        m = self.mlp(self.post_attention_layernorm(h))
-        if isinstance(m, tuple):
-            m, stats = m
-        else:
-            stats = None
-        return h + m, sel, stats
+        hn = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            m, stats = self.mlp(hn, ctx if isinstance(ctx, PagedContext) else None)
+            return h + m, sel, stats
+        return h + self.mlp(hn), sel, None
 
 
 class SharedHead(nn.Module):
@@ -76,10 +80,10 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def forward_mtp(self, emb_next, hidden, cos, sin, mask: MaskSpec):
+    def forward_mtp(self, emb_next, hidden, cos, sin, ctx: MaskSpec | PagedContext):
         """emb_next [B, T, H] (embedding of token t+1), hidden [B, T, H] (main h_t) -> normed [B, T, H]."""
         z = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(hidden)], dim=-1))
-        z, _, stats = DecoderLayer.forward(self, z, cos, sin, mask, None)
+        z, _, stats = DecoderLayer.forward(self, z, cos, sin, ctx, None)
         return self.shared_head.norm(z), stats
 
 
@@ -142,13 +146,23 @@ class GLM5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 block_position_ids: torch.Tensor | None = None, return_mtp: bool = False,
-                mtp_input_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> ModelOutput:
+                mtp_input_ids: torch.Tensor | None = None, logits_to_keep: int = 0,
+                attn_metadata: AttnMetadata | None = None, kv_cache: LatentKVCache | None = None) -> ModelOutput:
         """input_ids [B, T]; position_ids [B, T] (default arange); segment_ids [B, T] (packed documents);
         attention_mask [B, T, T] bool (True = may attend; replaces causal order, e.g. blank infilling) or
         [B, T] 0/1 padding mask; block_position_ids [B, T] (GLM 2D positions). With return_mtp, also MTP
         logits where position t predicts token t+2 from h_t and token t+1 (`mtp_input_ids`, default
-        input_ids shifted left by one). Losses live in glm5.train, not here."""
+        input_ids shifted left by one). Losses live in glm5.train, not here.
+
+        Paged (the engine): input_ids [1, N] are the flat tokens described by `attn_metadata`, whose KV rows
+        are written into `kv_cache` and attended there; positions and block positions default to the
+        metadata's; logits only at `attn_metadata.logits_indices` ([1, M, V]); no MTP (see forward_mtp)."""
         cfg = self.config
+        if attn_metadata is not None:
+            ctx = self._paged_context(input_ids, attn_metadata, kv_cache, segment_ids, attention_mask, return_mtp)
+            position_ids = attn_metadata.positions[None] if position_ids is None else position_ids
+            if block_position_ids is None and attn_metadata.block_position_ids is not None:
+                block_position_ids = attn_metadata.block_position_ids[None]
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)
         if block_position_ids is not None:
@@ -158,15 +172,44 @@ class GLM5ForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, -1)
         cos, sin = rope_angles(position_ids, self.model.inv_freq)  # [B, T, P/2]
-        mask = self._mask(attention_mask, segment_ids, B, T)
-        h, stats, sels = self._run_layers(x, cos, sin, mask)
+        if attn_metadata is None:
+            ctx = self._mask(attention_mask, segment_ids, B, T)
+        h, stats, sels = self._run_layers(x, cos, sin, ctx)
         h = self.model.norm(h)
-        hk = h[:, -logits_to_keep:] if logits_to_keep else h
+        if attn_metadata is not None and attn_metadata.logits_indices is not None:
+            hk = h[:, attn_metadata.logits_indices]  # [1, M, H]
+        else:
+            hk = h[:, -logits_to_keep:] if logits_to_keep else h
         out = ModelOutput(logits=self.lm_head(hk), hidden_states=h, router_stats=stats, selections=sels)
         if return_mtp and len(self.model.mtp_layers):
-            out.mtp_logits, mstats = self._mtp(input_ids, mtp_input_ids, h, cos, sin, mask)
+            out.mtp_logits, mstats = self._mtp(input_ids, mtp_input_ids, h, cos, sin, ctx)
             out.router_stats = stats + mstats
         return out
+
+    def forward_mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttnMetadata,
+                    kv_cache: LatentKVCache, depth: int = 0) -> ModelOutput:
+        """One MTP layer over paged flat tokens (speculative drafting): next_ids [1, N] is token t+1 at each
+        position t and hidden [1, N, H] the main model's final-norm h_t (or the previous depth's output).
+        -> .hidden_states [1, N, H] (the layer's normed output), .logits at the metadata's logits_indices."""
+        layer = self.model.mtp_layers[depth]
+        ctx = PagedContext(attn_metadata, kv_cache)
+        cos, sin = rope_angles(attn_metadata.positions[None], self.model.inv_freq)
+        z, stats = layer.forward_mtp(self.model.embed_tokens(next_ids), hidden, cos, sin, ctx)
+        stats["layer"] = layer.layer_idx
+        rows = attn_metadata.logits_indices
+        return ModelOutput(logits=self.lm_head(z if rows is None else z[:, rows]), hidden_states=z,
+                           router_stats=[stats])
+
+    @staticmethod
+    def _paged_context(input_ids, meta: AttnMetadata, kv_cache, segment_ids, attention_mask, return_mtp):
+        if kv_cache is None:
+            raise ValueError("attn_metadata needs a kv_cache: the paged forward writes and reads it")
+        if segment_ids is not None or attention_mask is not None or return_mtp:
+            raise ValueError("with attn_metadata, masks come from the metadata and MTP runs via forward_mtp")
+        if input_ids.shape != (1, meta.num_tokens):
+            raise ValueError(f"paged input_ids must be [1, {meta.num_tokens}] (flat tokens), got "
+                             f"{list(input_ids.shape)}")
+        return PagedContext(meta, kv_cache)
 
     @staticmethod
     def _mask(attention_mask, segment_ids, B, T) -> MaskSpec:
@@ -178,13 +221,13 @@ class GLM5ForCausalLM(nn.Module):
                             attention_mask=keep[:, None, :].expand(B, T, T))
         return MaskSpec(causal=False, segment_ids=segment_ids, attention_mask=attention_mask.bool())
 
-    def _run_layers(self, x, cos, sin, mask):
+    def _run_layers(self, x, cos, sin, ctx: MaskSpec | PagedContext):
         stats, sels, sel = [], [], None
         for layer in self.model.main_layers:
             if self.gradient_checkpointing and self.training:
-                x, sel, st = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, sel, use_reentrant=False)
+                x, sel, st = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, ctx, sel, use_reentrant=False)
             else:
-                x, sel, st = layer(x, cos, sin, mask, sel)
+                x, sel, st = layer(x, cos, sin, ctx, sel)
             sels.append(sel)
             if st is not None:
                 st["layer"] = layer.layer_idx

@@ -1,6 +1,10 @@
 """Mixture of experts: GLM-5's sigmoid router with a selection-only correction bias, grouped experts,
 an always-on shared expert; plus the seeds' options (softmax top-k gating, router temperature, capacity
-factor with token dropping, expert dropout, and a dense "soft" mixture).
+factor with token dropping, expert dropout, and a dense "soft" mixture). One forward for training and
+serving: with a `PagedContext` the capacity rule reads each sequence's earlier routes from the cache.
+
+Expert modules are swappable (INT8, offloaded, expert-parallel): they provide `forward(x, idx, weights,
+keep)` and `forward_dense(x, probs)`; `ExpertLoop` gives both from one `ffn(e, rows)` per expert.
 
 Experts are stored fused as transformers v5 keeps them in memory: `gate_up_proj` [E, 2I, H] (gate rows
 first) and `down_proj` [E, H, I]; the HF adapter converts from/to the per-expert on-disk names.
@@ -18,6 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layers import SwiGLU
+from .paged import PagedContext
 
 
 class Router(nn.Module):
@@ -62,21 +67,24 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, H], idx/weights [N, A] (keep [N, A] bool: assignments that survive capacity/dropout)."""
-        N, A = idx.shape
-        flat = idx.reshape(-1)
-        if keep is not None:
-            flat = torch.where(keep.reshape(-1), flat, self.n_experts)  # dropped -> a virtual expert E
-        order = torch.argsort(flat, stable=True)  # [N*A] assignments grouped by expert, token order kept
-        counts = torch.bincount(flat, minlength=self.n_experts + 1)[: self.n_experts]
-        n_live = int(counts.sum())
-        order = order[:n_live]
-        token = order // A  # [M] token of each live assignment
+        """x [N, H], idx/weights [N, A] (keep [N, A] bool: assignments that survive capacity/dropout).
+
+        Without autograd on CPU (serving, `generate_greedy`) the expert loop runs: one matmul pair per
+        expert that received tokens, no per-call views of every expert's weights (which cost more than
+        the matmuls at decode batch sizes)."""
+        if not torch.is_grad_enabled() and not x.is_cuda:
+            return expert_loop(x, idx, weights, keep, self.n_experts, self.ffn)
+        order, token, counts = sort_by_expert(idx, self.n_experts, keep)
         xs = x[token]  # [M, H]
         ys = grouped_swiglu(xs, self.gate_up_proj, self.down_proj, counts)  # [M, H]
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         # accumulate in the experts' output dtype (bf16 under autocast while x may be fp32)
         return torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, ys)
+
+    def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows xs [n, H] -> [n, H]."""
+        gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def forward_reference(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Plain per-expert loop (the oracle for tests; transformers' formulation)."""
@@ -96,6 +104,60 @@ class Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         y = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.down_proj)  # [E, N, H]
         return torch.einsum("enh,ne->nh", y, probs.to(y.dtype))
+
+
+class ExpertLoop(nn.Module):
+    """Base for inference expert modules (INT8, offloaded): subclasses give `ffn(e, rows [n, H]) -> [n, H]`
+    and inherit the routed and the soft (dense mixture) forwards."""
+
+    n_experts: int
+
+    def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep=None) -> torch.Tensor:
+        """x [N, H], idx/weights [N, A] -> [N, H] (the same token sort as `Experts`)."""
+        return expert_loop(x, idx, weights, keep, self.n_experts, self.ffn)
+
+    def forward_dense(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Every token through every expert, mixed by probs [N, E] (soft MoE)."""
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            out += self.ffn(e, x) * probs[:, e:e + 1].to(x.dtype)
+        return out
+
+
+def sort_by_expert(idx: torch.Tensor, n_experts: int, keep=None):
+    """Assignments grouped by expert: (order [M] into the flat N*A list, token [M], counts [E])."""
+    A = idx.shape[1]
+    flat = idx.reshape(-1)
+    if keep is not None:
+        flat = torch.where(keep.reshape(-1), flat, n_experts)  # dropped -> a virtual expert E
+    order = torch.argsort(flat, stable=True)  # [N*A] assignments grouped by expert, token order kept
+    counts = torch.bincount(flat, minlength=n_experts + 1)[:n_experts]
+    order = order[: int(counts.sum())]
+    return order, order // A, counts
+
+
+def expert_loop(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep, n_experts: int, ffn) -> torch.Tensor:
+    """Routed-expert output [N, H] for x [N, H], idx/weights [N, A]: tokens sorted by expert, then
+    `ffn(e, rows [n, H]) -> [n, H]` once per expert that received tokens (contiguous slices)."""
+    if x.shape[0] == 1 and keep is None:  # one token (batch-1 decode): no sort, same summation order
+        out = torch.zeros_like(x)  # [1, H]
+        w = weights[0].tolist()
+        for a, e in sorted(enumerate(idx[0].tolist()), key=lambda ae: ae[1]):
+            out += ffn(e, x) * w[a]  # w[a] came from fp32: the product is the one the sorted path forms
+        return out
+    order, token, counts = sort_by_expert(idx, n_experts, keep)
+    xs = x[token]  # [M, H]
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            outs.append(ffn(e, xs[start:start + n]))
+            start += n
+    ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, token, ys)
 
 
 _GROUPED_MM_OK: dict = {}  # per CUDA device: does torch._grouped_mm run here (sm90+ in torch 2.13)?
@@ -138,15 +200,16 @@ def grouped_swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 class MoE(nn.Module):
     """Routed experts + shared expert(s). Returns the output and router statistics for monitoring."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = -1):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.layer_idx = cfg, layer_idx
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         self.use_reference = False  # tests flip this to run the per-expert loop
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def forward(self, x: torch.Tensor, ctx: PagedContext | None = None) -> tuple[torch.Tensor, dict]:
+        """x [B, T, H] (paged: [1, N, H] flat tokens) -> (out [B, T, H], router stats)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # [N, H]
         logits, scores, weights, idx = self.gate(xf)
@@ -158,26 +221,56 @@ class MoE(nn.Module):
         elif self.use_reference:
             routed = self.experts.forward_reference(xf, idx, weights)
         else:
-            keep = self._keep_mask(idx)
+            keep = self._keep_mask(idx, shape, ctx)
             stats["dropped_tokens"] = 0 if keep is None else int((~keep).sum())
             routed = self.experts(xf, idx, weights, keep)
         out = routed.to(x.dtype).view(shape) + self.shared_experts(x)
         return out, stats
 
-    def _keep_mask(self, idx: torch.Tensor) -> torch.Tensor | None:
+    def _keep_mask(self, idx: torch.Tensor, shape, ctx: PagedContext | None) -> torch.Tensor | None:
         """Assignments kept after expert dropout (training) and the capacity limit (None = keep all)."""
         cfg = self.cfg
         keep = None
         if self.training and cfg.expert_dropout > 0:
             keep = torch.rand(idx.shape, device=idx.device) >= cfg.expert_dropout
-        if cfg.moe_capacity_factor is not None:
-            N, A = idx.shape
-            cap = math.ceil(cfg.moe_capacity_factor * N * A / cfg.n_routed_experts)
-            flat = idx.reshape(-1)
-            if keep is not None:
-                flat = torch.where(keep.reshape(-1), flat, cfg.n_routed_experts)
-            onehot = F.one_hot(flat, cfg.n_routed_experts + 1)  # [N*A, E+1], token order = priority
-            rank = (onehot.cumsum(0) * onehot).sum(-1) - 1  # position of each assignment in its expert queue
-            within = (rank < cap).view(N, A)
-            keep = within if keep is None else keep & within
+        if cfg.moe_capacity_factor is None:
+            return keep
+        if ctx is not None:
+            return self._paged_capacity(idx, ctx)
+        B, T, A = shape[0] if len(shape) == 3 else 1, shape[-2], idx.shape[1]
+        hist = idx if keep is None else idx.masked_fill(~keep, -1)  # dropout-dropped assignments queue nowhere
+        qpos = torch.arange(T, device=idx.device)[None].expand(B, -1)  # [B, T]
+        within = capacity_keep(idx.view(B, T, A), hist.view(B, T, A), qpos, cfg.moe_capacity_factor,
+                               cfg.n_routed_experts).view(-1, A)
+        return within if keep is None else keep & within
+
+    def _paged_capacity(self, idx: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        """Capacity per sequence over flat tokens: this step's routes go into the cache first, then each
+        group reads its sequences' whole route history (earlier steps included) -> keep [N, A]."""
+        meta, routes = ctx.meta, ctx.cache.routes[self.layer_idx]
+        routes.index_copy_(0, meta.slot_mapping, idx.to(routes.dtype))
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        for g in meta.groups:
+            hist = routes[g.key_slots].long().masked_fill(~g.key_valid[..., None], -1)  # [B, S, A]
+            k = capacity_keep(idx[g.q_index], hist, g.q_pos, self.cfg.moe_capacity_factor, self.cfg.n_routed_experts)
+            keep[g.q_index[g.q_valid]] = k[g.q_valid]
         return keep
+
+
+def capacity_keep(idx: torch.Tensor, history: torch.Tensor, qpos: torch.Tensor, capacity_factor: float,
+                  n_experts: int) -> torch.Tensor:
+    """The per-sequence, causal capacity rule: the assignment of a token at sequence index p to expert e
+    survives iff fewer than ceil(capacity_factor * (p + 1) * A / E) earlier tokens of the sequence were
+    routed to e -- the budget a sequence ending at p gets, spent in token order. A token's fate never
+    depends on later tokens, so cached decoding equals full recompute.
+
+    idx [B, T, A] the queries' experts; history [B, S, A] expert ids of the sequence's tokens 0..S-1
+    (-1 = none: padding, dropout); qpos [B, T] sequence index of each query (< S) -> keep [B, T, A] bool.
+    """
+    B, S, A = history.shape
+    onehot = F.one_hot(history.clamp(min=0), n_experts) * (history >= 0)[..., None]  # [B, S, A, E]
+    per_pos = onehot.sum(2)  # [B, S, E]
+    before = per_pos.cumsum(1) - per_pos  # [B, S, E]: assignments at indices < s
+    rank = before.gather(1, qpos[..., None].expand(-1, -1, n_experts)).gather(2, idx)  # [B, T, A]
+    cap = torch.ceil((qpos + 1).double() * (capacity_factor * A / n_experts))  # [B, T]
+    return rank < cap[..., None]
