@@ -15,15 +15,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from glm5.core.io import LazyTensors, safetensors_files
 from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import cast_model, dequantize_fp8, load_hf_state_dict
 from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
-from glm5.model.moe import ExpertLoop
+from glm5.model.moe import ExpertLoop, swiglu
 
 
 
@@ -95,9 +93,7 @@ class OffloadedExperts(ExpertLoop):
         return self.cache.get((self.layer, e), lambda: self._load(e))
 
     def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.expert(e)
-        gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, down)
+        return swiglu(xs, *self.expert(e))
 
     def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
         self.overrides.setdefault(e, {}).update({k: v.detach().clone() for k, v in parts.items()})

@@ -14,8 +14,6 @@ Dims: N tokens, H hidden, E routed experts, A experts per token, I expert FFN wi
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -73,7 +71,8 @@ class Experts(nn.Module):
         expert that received tokens, no per-call views of every expert's weights (which cost more than
         the matmuls at decode batch sizes)."""
         if not torch.is_grad_enabled() and not x.is_cuda:
-            return expert_loop(x, idx, weights, keep, self.n_experts, self.ffn)
+            gu, dn = self.gate_up_proj, self.down_proj  # read once: a parametrized (LoRA) weight recomputes per read
+            return expert_loop(x, idx, weights, keep, self.n_experts, lambda e, xs: swiglu(xs, gu[e], dn[e]))
         order, token, counts = sort_by_expert(idx, self.n_experts, keep)
         xs = x[token]  # [M, H]
         ys = grouped_swiglu(xs, self.gate_up_proj, self.down_proj, counts)  # [M, H]
@@ -81,10 +80,6 @@ class Experts(nn.Module):
         # accumulate in the experts' output dtype (bf16 under autocast while x may be fp32)
         return torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, ys)
 
-    def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        """Expert e on rows xs [n, H] -> [n, H]."""
-        gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
 
     def forward_reference(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Plain per-expert loop (the oracle for tests; transformers' formulation)."""
@@ -104,6 +99,12 @@ class Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         y = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.down_proj)  # [E, N, H]
         return torch.einsum("enh,ne->nh", y, probs.to(y.dtype))
+
+
+def swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert on rows xs [n, H]: gate_up [2I, H] (gate rows first), down [H, I] -> [n, H]."""
+    gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 class ExpertLoop(nn.Module):
