@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench_pipeline(tmp: Path, workers: int) -> tuple[dict, Path]:
     out = tmp / "clean"
-    cfg = load_config(DataConfig, ROOT / "configs/data/default.toml",
+    cfg = load_config(DataConfig, "configs/data/default.toml",
                       [f"--run.output_dir={out}", f"--run.num_workers={workers}", "--run.progress=false"])
     t = time.perf_counter()
     stats = run(cfg)

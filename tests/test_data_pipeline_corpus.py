@@ -1,13 +1,10 @@
 """The bundled corpus snapshot is reproducible: rebuilding from the Debian packages gives the same bytes
 (slow; skipped where the packages are not installed)."""
 
-from pathlib import Path
-
 import pytest
 
+from glm5.core.resources import bundled
 from glm5.data.pipeline.corpus import FORTUNES, PYDOC, build
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -17,4 +14,4 @@ def test_rebuild_matches_committed_snapshot(tmp_path):
     counts = build(tmp_path)
     assert counts["train"] > 20_000
     for name in ("train.jsonl.gz", "validation.jsonl.gz"):
-        assert (tmp_path / name).read_bytes() == (ROOT / "data/corpus" / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == bundled(f"corpus/{name}").read_bytes(), name

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from glm5.core.resources import bundled
 from glm5.data.pipeline.shards import read_jsonl, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cmd(sample: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "glm5.cli.main", "data", "run", "--config", str(ROOT / "configs/data/default.toml"),
+    return [sys.executable, "-m", "glm5.cli.main", "data", "run", "--config", "configs/data/default.toml",
             f"--input.paths=['{sample}']", f"--run.output_dir={out}", "--run.shard_docs=50",
             "--run.num_workers=2", "--run.progress=false", "--quality.max_train_docs=300"]
 
@@ -28,7 +29,7 @@ def _outputs(out: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_kill_9_then_rerun_matches_clean_run(tmp_path):
     sample = tmp_path / "sample.jsonl.gz"
-    write_jsonl(sample, [d for i, d in enumerate(read_jsonl(ROOT / "data/corpus/train.jsonl.gz")) if i % 40 == 0])
+    write_jsonl(sample, [d for i, d in enumerate(read_jsonl(bundled("corpus/train.jsonl.gz"))) if i % 40 == 0])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(_cmd(sample, tmp_path / "clean"), check=True, env=env, capture_output=True)
     out = tmp_path / "killed"

@@ -12,12 +12,12 @@ import pytest
 
 from glm5.cli import data as data_cli
 from glm5.core.config import ConfigError, load_config
+from glm5.core.resources import bundled
 from glm5.data.pipeline import runner, stages
 from glm5.data.pipeline.config import DataConfig
 from glm5.data.pipeline.shards import read_jsonl, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "data" / "corpus" / "train.jsonl.gz"
+CORPUS = bundled("corpus/train.jsonl.gz")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def sample(tmp_path_factory) -> Path:
 
 
 def _cfg(sample: Path, out: Path, *overrides: str) -> DataConfig:
-    return load_config(DataConfig, ROOT / "configs" / "data" / "default.toml",
+    return load_config(DataConfig, "configs/data/default.toml",
                        [f"--input.paths=['{sample}']", f"--run.output_dir={out}", "--run.shard_docs=100",
                         "--run.num_workers=1", "--run.progress=false", "--quality.max_train_docs=300", *overrides])
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from glm5.core.resources import bundled
 from glm5.data.infilling import IGNORE
 from glm5.data.loader import DataLoaderConfig, PackedLoader, StageConfig, eval_batches
 from glm5.data.shards import ShardWriter, TokenShards
@@ -245,12 +246,9 @@ def test_eval_batches_cover_every_token_once(corpus):
 
 
 def test_example_config_parses_and_runs(tmp_path):
-    from pathlib import Path
-
     from glm5.core.config import load_config
-    root = Path(__file__).resolve().parents[1]
     make_shards(tmp_path / "t", n_docs=40, groups=("tech", "quotes", "literature", "code"))
-    cfg = load_config(DataLoaderConfig, root / "configs/data/loader-example.toml",
+    cfg = load_config(DataLoaderConfig, "configs/data/loader-example.toml",
                       [f"--train_path={tmp_path / 't'}", "--batch_size=2"])
     assert [s.seq_len for s in cfg.stages] == [256, 512, 1024] and cfg.stage_at(700).seq_len == 1024
     batch = PackedLoader(cfg, rank=0, world_size=1).next_batch()
@@ -267,7 +265,7 @@ def test_tokenize_cli_round_trip(tmp_path):
 
     from glm5.data.tokenize_cli import TokenizeConfig, run
     from glm5.data.tokenizer import load_tokenizer
-    asset = Path(__file__).resolve().parents[1] / "glm5/data/assets/tokenizer-8k"
+    asset = bundled("tokenizer-8k")
     docs = [{"id": "a", "text": "Hello world. Second sentence!", "source": "web", "lang": "en", "domain": "tech"},
             {"id": "b", "text": "def f():\n    return 1\n", "source": "py", "lang": "code", "domain": "code"},
             {"id": "c", "text": "低质量", "source": "web", "lang": "zh", "domain": "tech", "quality": 0.1},

@@ -24,7 +24,7 @@ from glm5.serve.config import ServerConfig
 from glm5.serve.testing import serve_in_thread
 from tests._tiny import tiny_config
 
-TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
+TOK = load_tokenizer("bundled:tokenizer-8k")
 SCRIPT = ("The user wants weather.</think>Let me check.<tool_call>get_weather<arg_key>city</arg_key>"
           "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

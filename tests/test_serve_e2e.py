@@ -27,7 +27,7 @@ from glm5.serve.testing import serve_in_thread
 
 engine_mod = pytest.importorskip("glm5.infer.engine")
 KEY, ADMIN = "sk-test", "admin-test"
-TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
+TOK = load_tokenizer("bundled:tokenizer-8k")
 
 
 @pytest.fixture(scope="module")

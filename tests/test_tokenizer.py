@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from glm5.core.resources import bundled
 from glm5.data.tokenizer import SPECIAL_TOKENS, GLMTokenizer, IncrementalDetokenizer, load_tokenizer
 from glm5.data.tokenizer_cli import TokenizerTrainConfig, main as tokenizer_main, train_tokenizer
 
-ASSET = Path(__file__).resolve().parents[1] / "glm5" / "data" / "assets" / "tokenizer-8k"
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "corpus" / "train.jsonl.gz"
+ASSET = bundled("tokenizer-8k")
+CORPUS = bundled("corpus/train.jsonl.gz")
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 3.14159, isn't it?",
@@ -95,8 +96,7 @@ def test_training_is_deterministic_and_keeps_specials_at_the_end(tmp_path):
 
 @pytest.mark.slow
 def test_cli_reproduces_the_shipped_tokenizer(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    tokenizer_main(["--config", str(root / "configs/data/tokenizer.toml"), f"--output={tmp_path / 'tok'}",
+    tokenizer_main(["--config", "configs/data/tokenizer.toml", f"--output={tmp_path / 'tok'}",
                     f"--inputs=[\"{CORPUS}\"]"])
     assert (tmp_path / "tok" / "tokenizer.json").read_text() == (ASSET / "tokenizer.json").read_text()
 

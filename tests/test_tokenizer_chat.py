@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from glm5.core.resources import bundled
 from glm5.data.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-ASSET = Path(__file__).resolve().parents[1] / "glm5" / "data" / "assets" / "tokenizer-8k"
+ASSET = bundled("tokenizer-8k")
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather (天气) for a city",

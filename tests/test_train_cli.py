@@ -6,9 +6,9 @@ from pathlib import Path
 
 from glm5.cli.main import main
 from glm5.core.log import read_metrics
+from glm5.core.resources import configs_dir
 from glm5.data.tokenize_cli import TokenizeConfig, run
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["The interpreter reads a line, parses it and runs the statement.",
          "Lists keep their order; dictionaries map keys to values.",
          "def add(a, b):\n    return a + b\n",
@@ -22,14 +22,14 @@ def _shards(tmp: Path) -> Path:
                 text = " ".join(TEXTS[(i + j) % len(TEXTS)] for j in range(3))
                 f.write(json.dumps({"text": text, "source": "t", "lang": "en", "domain": ["tech", "code"][i % 2]}) + "\n")
     run(TokenizeConfig(splits={"train": [str(tmp / "train.jsonl.gz")], "validation": [str(tmp / "validation.jsonl.gz")]},
-                       output=str(tmp / "tokens"), tokenizer=str(ROOT / "glm5/data/assets/tokenizer-8k")))
+                       output=str(tmp / "tokens"), tokenizer="bundled:tokenizer-8k"))
     return tmp / "tokens"
 
 
 def test_glm5_train_cli_end_to_end_and_plot(tmp_path, capsys):
     tokens = _shards(tmp_path)
     run_dir = tmp_path / "run"
-    argv = ["train", "--config", str(ROOT / "configs/train/tiny.toml"),
+    argv = ["train", "--config", "configs/train/tiny.toml",
             "--model.overrides={hidden_size = 32, num_hidden_layers = 2, intermediate_size = 64, "
             "moe_intermediate_size = 16, block_position_embedding = true}",
             f"--data.train_path={json.dumps(str(tokens / 'train'))}",
@@ -59,6 +59,6 @@ def test_bad_override_is_rejected(capsys):
 def test_shipped_train_configs_load():
     from glm5.core.config import load_config
     from glm5.train.config import TrainConfig
-    for path in sorted((ROOT / "configs/train").glob("*.toml")):
+    for path in sorted((configs_dir() / "train").glob("*.toml")):
         cfg = load_config(TrainConfig, path)
         assert cfg.train.steps > 0, path

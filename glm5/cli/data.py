@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = {
     "run": ("glm5.cli.data:run_main", "clean a corpus: `glm5 data run --config configs/data/default.toml [--a.b=c]`"),
     "stats": ("glm5.cli.data:stats_main", "docs/tokens per source, lang, domain + drop reasons: `glm5 data stats DIR`"),
-    "corpus": ("glm5.cli.data:corpus_main", "rebuild the bundled corpus data/corpus/ from Debian packages"),
+    "corpus": ("glm5.cli.data:corpus_main", "rebuild the bundled corpus (glm5/data/assets/corpus) from Debian packages"),
     "tokenizer": ("glm5.data.tokenizer_cli:main", "train the tokenizer"),
     "tokenize": ("glm5.data.tokenize_cli:main", "tokenize cleaned shards"),
 }
@@ -52,13 +52,16 @@ def stats_main(argv: list[str]) -> int:
 
 
 def corpus_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="glm5 data corpus", description="Rebuild data/corpus from Debian packages.")
-    ap.add_argument("--out", default="data/corpus")
+    ap = argparse.ArgumentParser(prog="glm5 data corpus",
+                                 description="Rebuild the bundled corpus (bundled:corpus) from Debian packages.")
+    ap.add_argument("--out", default="bundled:corpus", help="output directory (default: the bundled corpus)")
     ap.add_argument("--validation-fraction", type=float, default=0.02)
     args = ap.parse_args(argv)
     from glm5.data.pipeline.corpus import build
 
-    print(build(args.out, args.validation_fraction))
+    from glm5.core.resources import resolve_path
+
+    print(build(resolve_path(args.out), args.validation_fraction))
     return 0
 
 

@@ -7,19 +7,19 @@
 
 Every step is resumable: a finished data step is skipped, training resumes from its last checkpoint.
 Extra `--section.key=value` arguments go to the training config (e.g. `--train.steps=100`).
+The configs and the corpus are package data, so it runs from any directory; outputs go under the
+current one (`runs/`). A smoke run: `glm5 quickstart --limit-docs 300 --train.steps=5 --max-tokens 4`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 from glm5.cli.main import main as glm5_main
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The Python interpreter", "import os\n\ndef ", "床前明月光，"]
 
 
@@ -38,13 +38,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--run-dir", default="runs/tiny", help="training output directory")
     ap.add_argument("--data-dir", default="runs/data", help="where cleaned documents and token shards go")
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens generated per prompt at the end")
+    ap.add_argument("--limit-docs", type=int, default=0, help="clean only the first N corpus documents (0 = all)")
     args, overrides = ap.parse_known_args(argv)
-    if not (Path.cwd() / "configs").is_dir():  # the configs use paths relative to the repository root
-        os.chdir(REPO)
     clean = Path(args.data_dir) / "clean"
     tokens = Path(args.data_dir) / "tokens"
     if not args.skip_data:
-        _step("clean", ["data", "run", "--config", "configs/data/default.toml", f"--run.output_dir=\"{clean}\""])
+        _step("clean", ["data", "run", "--config", "configs/data/default.toml", f"--run.output_dir=\"{clean}\"",
+                        f"--input.limit={args.limit_docs}"])
         if not (tokens / "train").is_dir() or not (tokens / "validation").is_dir():
             _step("tokenize", ["data", "tokenize", "--config", "configs/data/tokenize.toml",
                                f"--output=\"{tokens}\"", f"--splits.train=[\"{clean / 'data'}\"]"])

@@ -3,7 +3,7 @@
 Every subsystem (data, train, engine, server) declares `@dataclass(kw_only=True)` configs; this module
 loads them, rejects unknown keys loudly (naming the dotted key), checks types, and serialises the
 resolved config back to a plain dict so that it can be stored next to checkpoints and logs.
-stdlib only.
+stdlib only (plus `glm5.core.resources` to find packaged configs).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
+from glm5.core.resources import config_file
+
 T = TypeVar("T")
 
 
@@ -24,9 +26,11 @@ class ConfigError(ValueError):
 
 
 def load_toml(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    """A TOML file, or a packaged config by name (`configs/train/tiny.toml`, `train/tiny`: see resources.py)."""
+    try:
+        path = config_file(path)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

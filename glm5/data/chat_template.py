@@ -3,8 +3,9 @@
 Owns the jinja environment (same settings and helpers as transformers: sandboxed, `trim_blocks`,
 `lstrip_blocks`, loop controls, a `tojson` that keeps non-ASCII, `raise_exception`, the
 `{% generation %}` tag), message normalisation (OpenAI-style JSON-string tool arguments become dicts,
-`reasoning`/`thinking` alias `reasoning_content`), and the default GLM-5-style template
-(`templates/glm5_chat.jinja`). Knows nothing about token ids: `tokenizer.py` tokenizes the text.
+`reasoning`/`thinking` alias `reasoning_content`), and the default GLM-5-style template (the bundled
+tokenizer's `chat_template.jinja`, its only copy). Knows nothing about token ids: `tokenizer.py`
+tokenizes the text.
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ import copy
 import json
 from datetime import datetime
 from functools import lru_cache
-from pathlib import Path
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-TEMPLATE_PATH = Path(__file__).parent / "templates" / "glm5_chat.jinja"
+from glm5.core.resources import bundled
+
+DEFAULT_TEMPLATE = "tokenizer-8k/chat_template.jinja"  # a bundled asset (package data)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def default_chat_template() -> str:
-    return TEMPLATE_PATH.read_text(encoding="utf-8")
+    """GLM-5's chat format (the bundled tokenizer's template): for GLM-vocabulary tokenizers without one."""
+    return bundled(DEFAULT_TEMPLATE).read_text(encoding="utf-8")
 
 
 class _GenerationTracker(jinja2.ext.Extension):

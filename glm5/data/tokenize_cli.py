@@ -29,12 +29,12 @@ class TokenizeConfig:
     """What to tokenise and where to write it."""
 
     splits: dict[str, list[str]] = field(default_factory=lambda: {
-        "train": ["data/corpus/train.jsonl.gz"], "validation": ["data/corpus/validation.jsonl.gz"]})
+        "train": ["bundled:corpus/train.jsonl.gz"], "validation": ["bundled:corpus/validation.jsonl.gz"]})
     """Split name -> JSONL(.gz) files or directories; each split becomes `<output>/<split>/`."""
     output: str = "runs/data/tokens"
     """Parent directory of the split shard directories."""
-    tokenizer: str = "glm5/data/assets/tokenizer-8k"
-    """Tokenizer directory."""
+    tokenizer: str = "bundled:tokenizer-8k"
+    """Tokenizer directory (`bundled:tokenizer-8k` = the one shipped in the package)."""
     append_eos: bool = True
     """End every document with <|endoftext|>."""
     min_quality: float = 0.0

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from glm5.core.io import atomic_write_json, atomic_write_text
+from glm5.core.resources import resolve_path
 from glm5.data import chat_template as ct
 
 # GLM's special tokens, in the order of the real GLM-4.5/GLM-5 vocabulary (minus the multimodal ones).
@@ -162,8 +163,7 @@ class GLMTokenizer:
             "model_max_length": keep.get("model_max_length", 131072),
             "padding_side": "left",
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "chat_template": self.chat_template,
-        }
+        }  # the template goes to chat_template.jinja only (transformers reads it from there)
 
 
 def load_tokenizer(path: str | Path) -> GLMTokenizer:
@@ -172,7 +172,7 @@ def load_tokenizer(path: str | Path) -> GLMTokenizer:
     The chat template comes from `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`,
     else glm5's default template.
     """
-    path = Path(path)
+    path = resolve_path(path)
     file = path if path.is_file() else path / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {path}")

@@ -20,6 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from glm5.core.config import load_cli_config, to_dict
 from glm5.core.io import atomic_dir
+from glm5.core.resources import resolve_path
 from glm5.data.tokenizer import PREFIX_TOKENS, SPECIAL_TOKENS, GLMTokenizer
 
 # GLM-4 / GLM-5 pre-tokenizer: contractions, letters with one leading non-letter, 1-3 digit groups,
@@ -32,9 +33,9 @@ GLM_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
 class TokenizerTrainConfig:
     """How to train the glm5 tokenizer."""
 
-    inputs: list[str] = field(default_factory=lambda: ["data/corpus/train.jsonl.gz"])
+    inputs: list[str] = field(default_factory=lambda: ["bundled:corpus/train.jsonl.gz"])
     """JSONL(.gz) files or directories of them; each line a document with a `text` field."""
-    output: str = "glm5/data/assets/tokenizer-8k"
+    output: str = "bundled:tokenizer-8k"
     """Directory to write (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
     vocab_size: int = 8192
     """Total number of ids, special and indentation tokens included."""
@@ -66,7 +67,7 @@ def iter_texts(inputs: list[str], max_docs: int = 0) -> Iterator[str]:
 def expand_inputs(inputs: list[str]) -> list[Path]:
     files = []
     for item in inputs:
-        p = Path(item)
+        p = resolve_path(item)
         if p.is_dir():
             files += sorted(q for q in p.rglob("*") if q.name.endswith((".jsonl", ".jsonl.gz")))
         elif p.is_file():
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_cli_config(TokenizerTrainConfig, argv, "glm5 data tokenizer", __doc__.splitlines()[0],
                           "configs/data/tokenizer.toml")
     tokenizer = train_tokenizer(cfg)
-    with atomic_dir(cfg.output) as tmp:
+    with atomic_dir(resolve_path(cfg.output)) as tmp:
         tokenizer.save(tmp)
     sample = "def f(x):\n    return x  # 你好 😀"
     ids = tokenizer.encode(sample)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from glm5.core.resources import resolve_path
 from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import cast_model, from_pretrained
 from glm5.model.kv_cache import bytes_per_token
@@ -32,7 +33,7 @@ from .sampling import SamplingParams, check_token_ids
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "assets" / "tokenizer-8k"
+BUNDLED_TOKENIZER = "bundled:tokenizer-8k"
 
 
 def resolve_device(config: EngineConfig) -> EngineConfig:
@@ -68,7 +69,7 @@ def load_tokenizer_for(model_path: str, vocab_size: int):
     None (token ids only) when there is none."""
     from glm5.data.tokenizer import load_tokenizer  # noqa: PLC0415 (data layer, optional at runtime)
     path = Path(model_path)
-    candidates = [path] if path.is_dir() else [BUNDLED_TOKENIZER]
+    candidates = [path] if path.is_dir() else [resolve_path(BUNDLED_TOKENIZER)]
     for c in candidates:
         try:
             tok = load_tokenizer(c)

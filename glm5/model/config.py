@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+from glm5.core.resources import configs_dir, list_configs
 
 
 class ModelConfigError(ValueError):
@@ -220,9 +220,9 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
-        """A named preset from `configs/model/<name>.toml` (`tiny`, `small`, `glm-5`, `glm-5.2`)."""
-        path = PRESET_DIR / f"{name}.toml"
-        if not path.is_file():
+        """A named preset, packaged as `glm5/configs/model/<name>.toml` (`tiny`, `small`, `glm-5`, `glm-5.2`)."""
+        path = configs_dir() / "model" / f"{name}.toml"
+        if "/" in name or not path.is_file():
             raise ModelConfigError(f"unknown model preset {name!r}; available: {list_presets()}")
         with open(path, "rb") as f:
             d = tomllib.load(f)
@@ -278,4 +278,4 @@ def _derive_indexer_types(cfg: ModelConfig) -> list[str]:
 
 
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    return list_configs("model")

@@ -57,7 +57,7 @@ class LoaderData(DataSource):
         if not self.tokenizer_path:
             return
         path = Path(self.tokenizer_path)
-        if not path.exists():  # shards store the path as given, often relative to the repo root
-            path = Path(__file__).resolve().parents[2] / self.tokenizer_path
+        if not path.exists():  # stored relative to where `glm5 data tokenize` ran; the shards keep a copy
+            path = Path(self.cfg.train_path) / "tokenizer"
         if path.exists():
             load_tokenizer(path).save(directory)

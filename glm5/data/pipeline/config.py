@@ -18,7 +18,7 @@ ZH_VARIETIES = {"wuu": "zh", "yue": "zh", "lzh": "zh", "gan": "zh", "hak": "zh",
 
 @dataclass(kw_only=True)
 class InputConfig:
-    paths: list[str] = field(default_factory=lambda: ["data/corpus/train.jsonl.gz"])  # JSONL(.gz) files or globs
+    paths: list[str] = field(default_factory=lambda: ["bundled:corpus/train.jsonl.gz"])  # JSONL(.gz) files or globs
     text_key: str = "text"  # field holding the document text
     limit: int = 0  # read at most this many documents (0 = all); for quick runs
 

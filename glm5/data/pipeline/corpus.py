@@ -1,4 +1,4 @@
-"""Build the bundled corpus snapshot (`data/corpus/`) from licensed text shipped in Debian packages.
+"""Build the bundled corpus snapshot (`glm5/data/assets/corpus/`) from licensed text shipped in Debian packages.
 
 Sources (install: `apt-get install python3.11-doc debian-reference-en debian-reference-zh-cn manpages-zh
 fortunes fortunes-zh`): Python 3.11 documentation (reST sources), Debian Reference (English and
@@ -7,7 +7,7 @@ Tang/Song poems, and the CPython standard library (code). Each source has a byte
 picked in a fixed hash order, so the same packages always give the same snapshot. The split into
 train/validation is a hash of the document id. Only format markup is removed here (ANSI colour codes in
 fortunes); everything else is left for `glm5 data run` to clean, so the pipeline has real work to do.
-Run: `python scripts/build_corpus.py` or `glm5 data corpus`.
+Run: `glm5 data corpus` (writes into the package: `bundled:corpus`).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def _write_jsonl_gz(path: Path, docs: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def build(out_dir: str | Path = "data/corpus", validation_fraction: float = 0.02) -> dict:
+def build(out_dir: str | Path, validation_fraction: float = 0.02) -> dict:
     """Assemble every source, split by id hash, write `train/validation.jsonl.gz` + PROVENANCE.md."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ def build(out_dir: str | Path = "data/corpus", validation_fraction: float = 0.02
 def provenance(rows, splits: dict[str, list[dict]], validation_fraction: float) -> str:
     lines = [
         "# Bundled corpus: provenance", "",
-        "Built by `python scripts/build_corpus.py` (logic: `glm5/data/pipeline/corpus.py`) from Debian 12",
+        "Built by `glm5 data corpus` (logic: `glm5/data/pipeline/corpus.py`) from Debian 12",
         "packages. Documents are real text; the only change is removing ANSI colour codes from fortunes.",
         "Exact duplicates are the ones the packages contain (the same fortune in two files, for example).",
         f"Split: validation = sha1(id) < {validation_fraction} (fixed, deterministic).", "",

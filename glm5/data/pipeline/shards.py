@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from glm5.core.io import atomic_write_json
+from glm5.core.resources import resolve_path
 
 
 def open_text(path: str | Path):
@@ -56,8 +57,10 @@ def write_jsonl(path: str | Path, docs: Iterable[dict]) -> int:
 
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
+    """Files and globs (`bundled:corpus/train.jsonl.gz` names the packaged corpus) -> existing files."""
     files: list[Path] = []
-    for p in patterns:
+    for p in map(str, patterns):
+        p = str(resolve_path(p))
         matches = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
         files += [Path(m) for m in matches]
     missing = [str(f) for f in files if not f.is_file()]
