@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from glm5.core.log import read_metrics
-from tests.test_train_cli import ROOT, _shards
+from tests.test_train_cli import _shards
 
 STEPS = 5
 MODEL = ("--model.overrides={hidden_size = 32, num_hidden_layers = 2, intermediate_size = 64, "
@@ -25,7 +25,7 @@ MODEL = ("--model.overrides={hidden_size = 32, num_hidden_layers = 2, intermedia
 
 
 def _argv(tokens: Path, run_dir: Path, batch: int, *extra: str) -> list[str]:
-    return ["--config", str(ROOT / "configs/train/tiny.toml"), MODEL,
+    return ["--config", "configs/train/tiny.toml", MODEL,
             f"--data.train_path={json.dumps(str(tokens / 'train'))}",
             f"--data.val_path={json.dumps(str(tokens / 'validation'))}",
             f"--data.batch_size={batch}", "--data.seq_len=48", f"--train.steps={STEPS}",
@@ -36,7 +36,7 @@ def _argv(tokens: Path, run_dir: Path, batch: int, *extra: str) -> list[str]:
 
 
 def _run(nproc: int, argv: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     if nproc == 1:
         cmd = [sys.executable, "-m", "glm5.train", *argv]
     else:
