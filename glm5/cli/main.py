@@ -18,6 +18,7 @@ COMMANDS = {
     "serve": ("serve", "OpenAI-compatible server: `glm5 serve --model PATH`"),
     "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),
     "merge": ("merge", "fold a LoRA adapter into its base: `glm5 merge BASE ADAPTER OUT`"),
+    "eval": ("eval", "evaluate: `glm5 eval --model PATH_OR_URL --task mmlu --data DIR --output OUT.json`"),
     "quickstart": ("quickstart", "the main job: data pipeline -> train tiny -> generate"),
 }
 

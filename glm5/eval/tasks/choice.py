@@ -1,0 +1,99 @@
+"""Multiple choice by log-likelihood: MMLU and C-Eval with lm-evaluation-harness's standard prompts.
+
+The context is the subject description, then `num_fewshot` solved examples from the subject's dev
+file (the first ones, lm-eval's `first_n` sampler), then the question:
+
+    The following are multiple choice questions (with answers) about {subject}.\n\n
+    {question}\nA. {A}\nB. {B}\nC. {C}\nD. {D}\nAnswer: {letter}\n\n      <- each example
+    {question}\nA. {A}\nB. {B}\nC. {C}\nD. {D}\nAnswer:
+
+(C-Eval: 以下是中国关于{科目}的单项选择题，请选出其中的正确答案。 and 答案：). Each choice is scored as the
+continuation " A" .. " D"; acc takes the most likely, acc_norm divides by the choice's length in
+characters (lm-eval's definition; equal to acc for letter choices).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from ..lm import EvalModel
+from ..loaders import LETTERS, ChoiceDoc, find_dev_file, find_split_files, read_ceval_csv, read_mmlu_csv
+from ..metrics import Metric, mean_stderr
+from .base import Doc, Task
+
+
+def mmlu_description(subject: str) -> str:
+    return f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+def mmlu_question(doc: ChoiceDoc) -> str:
+    a, b, c, d = doc.choices
+    return f"{doc.question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
+
+
+def ceval_description(subject: str) -> str:
+    names = json.loads(resources.files("glm5.eval").joinpath("data/ceval_subjects.json").read_text("utf-8"))
+    return f"以下是中国关于{names.get(subject, subject.replace('_', ' '))}的单项选择题，请选出其中的正确答案。\n\n"
+
+
+def ceval_question(doc: ChoiceDoc) -> str:
+    a, b, c, d = doc.choices
+    return f"{doc.question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\n答案："
+
+
+STYLES = {  # name -> (reader, description, question, default split)
+    "mmlu": (read_mmlu_csv, mmlu_description, mmlu_question, "test"),
+    "ceval": (read_ceval_csv, ceval_description, ceval_question, "val"),
+}
+
+
+class ChoiceTask(Task):
+    dimension, primary = "knowledge", "acc"
+
+    def __init__(self, name: str, data: str | Path, num_fewshot: int = 0, split: str | None = None):
+        if name not in STYLES:
+            raise ValueError(f"unknown multiple-choice style {name!r}; choose from {sorted(STYLES)}")
+        self.name, self.data, self.num_fewshot = name, Path(data), num_fewshot
+        self.read, self.describe, self.question, default_split = STYLES[name]
+        self.split = split or default_split
+        self._shots: dict[str, list[ChoiceDoc]] = {}
+
+    def docs(self) -> list[Doc]:
+        out = []
+        for path in find_split_files(self.data, self.split):
+            if self.num_fewshot:
+                dev = find_dev_file(path, self.data)
+                shots = self.read(dev) if dev else []
+                if len(shots) < self.num_fewshot:
+                    raise ValueError(f"{path}: {self.num_fewshot}-shot needs {self.num_fewshot} examples in "
+                                     f"its <subject>_dev.csv, found {len(shots)}{'' if dev else ' (no dev file)'}")
+                self._shots[str(path)] = shots[: self.num_fewshot]
+            out += [Doc(d.id, (str(path), d)) for d in self.read(path)]
+        return out
+
+    def context(self, path: str, doc: ChoiceDoc) -> str:
+        shots = "".join(f"{self.question(s)} {LETTERS[s.answer]}\n\n" for s in self._shots.get(path, []))
+        return self.describe(doc.subject) + shots + self.question(doc)
+
+    def evaluate(self, model: EvalModel, docs: list[Doc]) -> list[dict]:
+        requests = [(self.context(path, d), f" {letter}") for path, d in (x.data for x in docs)
+                    for letter in LETTERS]
+        scores = model.loglikelihood(requests)
+        records = []
+        for i, doc in enumerate(docs):
+            d: ChoiceDoc = doc.data[1]
+            lls = [lp for lp, _ in scores[4 * i:4 * i + 4]]
+            norm = [lp / len(letter) for lp, letter in zip(lls, LETTERS)]
+            records.append({"lls": lls, "gold": d.answer, "subject": d.subject,
+                            "acc": float(lls.index(max(lls)) == d.answer),
+                            "acc_norm": float(norm.index(max(norm)) == d.answer)})
+        return records
+
+    def aggregate(self, records: list[dict]) -> dict[str, Metric]:
+        return {"acc": mean_stderr([r["acc"] for r in records]),
+                "acc_norm": mean_stderr([r["acc_norm"] for r in records])}
+
+    def fingerprint(self) -> dict:
+        return {"num_fewshot": self.num_fewshot, "split": self.split}
