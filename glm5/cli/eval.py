@@ -36,6 +36,7 @@ def parse(argv):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program")
     ap.add_argument("--regex", help="exact: answer extraction pattern (first group)")
     ap.add_argument("--judge-url", help="queries: OpenAI-compatible judge server")
     ap.add_argument("--judge-model")
@@ -44,6 +45,8 @@ def parse(argv):
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device")
+    ap.add_argument("--no-special-tokens", action="store_true",
+                    help="score text without the tokenizer's prefix tokens (as lm-eval's local-completions)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_known_args(argv)
 
@@ -59,9 +62,10 @@ def config_from_flags(args):
     task = TaskConfig(task=args.task, data=args.data, split=args.split, num_fewshot=args.num_fewshot, limit=args.limit,
                       samples=args.samples, n=args.n, k=[int(k) for k in args.k.split(",")],
                       temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, regex=args.regex,
-                      judge_url=args.judge_url, judge_model=args.judge_model)
+                      judge_url=args.judge_url, judge_model=args.judge_model, timeout_s=args.timeout)
     spec = ModelSpec(model=args.model or "samples", tokenizer=args.tokenizer, api_model=args.api_model,
-                     max_length=args.max_length, batch_size=args.batch_size, device=args.device)
+                     max_length=args.max_length, batch_size=args.batch_size, device=args.device,
+                     add_special_tokens=not args.no_special_tokens)
     return spec, task
 
 

@@ -18,7 +18,8 @@ from .lm import EvalModel, GenerationParams, Score, TokenPair
 
 class EngineModel(EvalModel):
     def __init__(self, model: str, *, max_length: int = 2048, batch_size: int = 64, name: str | None = None,
-                 share_prefix: bool = True, llm: LLM | None = None, **engine_options):
+                 share_prefix: bool = True, add_special_tokens: bool = True, llm: LLM | None = None,
+                 **engine_options):
         """`model`: checkpoint directory or preset; `batch_size`: requests handed to the engine at once;
         `engine_options`: EngineConfig fields (device, dtype, max_num_seqs, ...)."""
         engine_options.setdefault("max_num_seqs", batch_size)
@@ -28,6 +29,7 @@ class EngineModel(EvalModel):
         self.tokenizer = self.llm.tokenizer
         self.prefix_token_id = self.llm.engine.eos_token_ids[0]
         self.max_length, self.batch_size, self.share_prefix = max_length, batch_size, share_prefix
+        self.add_special_tokens = add_special_tokens
         self.name = name or model
 
     # ---- scoring --------------------------------------------------------------------------------

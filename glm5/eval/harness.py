@@ -35,6 +35,7 @@ class ModelSpec:
     api_model: str | None = None  # URL models: model name on the server (default: its first)
     api_key: str | None = None  # URL models: bearer token
     max_length: int = 2048  # tokens per scored request
+    add_special_tokens: bool = True  # tokenizer's prefix on scored text (lm-eval `hf`: yes; `local-completions`: no)
     batch_size: int = 64  # requests handed to the engine (or per HTTP request: 16 at most) at once
     device: str | None = None  # engine device (default: cuda when available)
     dtype: str | None = None  # engine dtype (CPU always computes in float32)
@@ -64,10 +65,12 @@ def build_model(spec: ModelSpec) -> EvalModel:
             from glm5.data.tokenizer import load_tokenizer  # noqa: PLC0415
             tok = load_tokenizer(spec.tokenizer)
         return OpenAIModel(spec.model, tokenizer=tok, model=spec.api_model, api_key=spec.api_key,
-                           max_length=spec.max_length, batch_size=min(16, spec.batch_size), name=spec.label)
+                           max_length=spec.max_length, batch_size=min(16, spec.batch_size), name=spec.label,
+                           add_special_tokens=spec.add_special_tokens)
     from .engine_model import EngineModel  # noqa: PLC0415
     opts = {k: v for k, v in (("device", spec.device), ("dtype", spec.dtype)) if v is not None}
-    return EngineModel(spec.model, max_length=spec.max_length, batch_size=spec.batch_size, name=spec.label, **opts)
+    return EngineModel(spec.model, max_length=spec.max_length, batch_size=spec.batch_size, name=spec.label,
+                       add_special_tokens=spec.add_special_tokens, **opts)
 
 
 class RecordStore:

@@ -67,13 +67,14 @@ class OpenAIModel(EvalModel):
     def __init__(self, base_url: str, *, tokenizer: Tokenizer | None = None, model: str | None = None,
                  prefix_token_id: int | None = None, max_length: int = 2048, batch_size: int = 16,
                  concurrency: int = 4, api_key: str | None = None, timeout: float = 120.0, retries: int = 3,
-                 name: str | None = None, client: OpenAIClient | None = None):
+                 name: str | None = None, add_special_tokens: bool = True, client: OpenAIClient | None = None):
         self.client = client or OpenAIClient(base_url, api_key, timeout, retries)
         self.model = model or self.client.first_model()
         self.tokenizer = tokenizer  # type: ignore[assignment]
         eos = getattr(tokenizer, "eos_token_ids", None) or [0]
         self.prefix_token_id = prefix_token_id if prefix_token_id is not None else eos[0]
         self.max_length, self.batch_size, self.concurrency = max_length, batch_size, concurrency
+        self.add_special_tokens = add_special_tokens
         self.name = name or f"{base_url}#{self.model}"
 
     def _map(self, fn, batches: list) -> list:
