@@ -23,25 +23,33 @@ MODEL = {"vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "intermedi
 STEPS, WORLD = 4, 2
 
 
-def make_trainer(run_dir: Path, data: DataSource, ep: int = 1, resume: str = ""):
+def make_trainer(run_dir: Path, data: DataSource, resume: str = "", **parallel):
     from glm5.core.config import from_dict
     from glm5.train.config import TrainConfig
     from glm5.train.trainer import Trainer
     d = {"model": {"name": "tiny", "overrides": dict(MODEL)}, "optim": {"lr": 3e-3},
          "schedule": {"warmup_steps": 2}, "train": {"steps": STEPS},
-         "parallel": {"expert_parallel": ep, "backend": "gloo"}, "checkpoint": {"every": 2, "resume": resume},
+         "parallel": {"backend": "gloo", **parallel}, "checkpoint": {"every": 2, "resume": resume},
          "log": {"run_dir": str(run_dir), "progress": False, "eval_batches": 1, "measure_peak": False}}
     return Trainer(from_dict(TrainConfig, d), data=data)
 
 
-def _worker(rank: int, port: int, run_dir: str, resume: str) -> None:
+def data_coords(rank: int, parallel: dict) -> tuple[int, int]:
+    """(data rank, data world) of `rank` on the ("pp", "dp", "ep", "tp") mesh: tp/pp peers share rows."""
+    tp, pp = parallel.get("tensor_parallel", 1), parallel.get("pipeline_parallel", 1)
+    world = WORLD // (tp * pp)
+    return (rank // tp) % world, world
+
+
+def _worker(rank: int, port: int, run_dir: str, resume: str, parallel: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        # elastic order: data rank r of 2 with 2 rows reads rows 2r, 2r+1 of the 4-row global batch
-        t = make_trainer(Path(run_dir), SyntheticData(96, 2, 24, seed=1, rank=rank, world_size=WORLD),
-                         ep=WORLD, resume=resume)
+        # elastic order: data rank r of D reads rows [r * 4/D, (r+1) * 4/D) of the 4-row global batch
+        r, D = data_coords(rank, parallel)
+        t = make_trainer(Path(run_dir), SyntheticData(96, 4 // D, 24, seed=1, rank=r, world_size=D),
+                         resume=resume, **parallel)
         t.fit()
         if rank == 0:
             name = "losses_resumed.json" if resume else "losses.json"
@@ -50,11 +58,11 @@ def _worker(rank: int, port: int, run_dir: str, resume: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _spawn(run_dir: Path, resume: str = "") -> None:
+def _spawn(run_dir: Path, resume: str = "", **parallel) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(run_dir), resume), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(port, str(run_dir), resume, parallel), nprocs=WORLD, join=True)
 
 
 @pytest.mark.slow
@@ -63,13 +71,13 @@ def test_trainer_fsdp_ep_matches_single_process_and_resumes_exactly(tmp_path):
     single = make_trainer(tmp_path / "single", SyntheticData(96, 4, 24, seed=1))
     single.fit()
     ref = [h["loss"] for h in single.history]
-    _spawn(tmp_path / "dist")
+    _spawn(tmp_path / "dist", expert_parallel=WORLD)
     losses = json.loads((tmp_path / "dist" / "losses.json").read_text())
     assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
     # resume from the step-2 checkpoint of the distributed run, in a fresh run dir
     ckpt = tmp_path / "dist" / "checkpoints" / "step_00000002"
     assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "state_rank1.json").is_file()
-    _spawn(tmp_path / "resumed", resume=str(ckpt))
+    _spawn(tmp_path / "resumed", resume=str(ckpt), expert_parallel=WORLD)
     resumed = json.loads((tmp_path / "resumed" / "losses_resumed.json").read_text())
     assert resumed == losses[2:]
     # the same DCP checkpoint resumes in one process on the whole batch (another world size)
@@ -79,6 +87,23 @@ def test_trainer_fsdp_ep_matches_single_process_and_resumes_exactly(tmp_path):
     tail = [h["loss"] for h in one.history]
     assert max(abs(a - b) for a, b in zip(tail, losses[2:])) < 1e-5 and len(tail) == 2, (tail, losses)
     # final/ holds the trained weights in HF layout, equal to the single-process run's
+    final = from_pretrained(tmp_path / "dist" / "final", dtype=torch.float32).state_dict()
+    for k, v in single.raw_model.state_dict().items():
+        torch.testing.assert_close(final[k], v, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"tensor_parallel": 2}])
+def test_trainer_parallel_configs_match_single_process(tmp_path, parallel):
+    """The Trainer under each other parallel layout logs the single-process losses, and its final
+    HF export holds the same trained weights."""
+    from glm5.model.hf_adapter import from_pretrained
+    single = make_trainer(tmp_path / "single", SyntheticData(96, 4, 24, seed=1))
+    single.fit()
+    ref = [h["loss"] for h in single.history]
+    _spawn(tmp_path / "dist", **parallel)
+    losses = json.loads((tmp_path / "dist" / "losses.json").read_text())
+    assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
     final = from_pretrained(tmp_path / "dist" / "final", dtype=torch.float32).state_dict()
     for k, v in single.raw_model.state_dict().items():
         torch.testing.assert_close(final[k], v, atol=1e-4, rtol=1e-3)

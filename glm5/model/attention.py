@@ -72,7 +72,9 @@ class MLAttention(nn.Module):
         return self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin, self.cfg.rope_interleave)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)  # [H, E+V, R]
+        w = self.kv_b_proj.weight
+        w = w.to_local() if hasattr(w, "to_local") else w  # tensor parallel: this rank's heads only
+        w = w.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)  # [H, E+V, R]
         return w[:, : self.nope], w[:, self.nope:]  # W_uk [H, E, R], W_uv [H, V, R]
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:

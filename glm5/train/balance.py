@@ -106,13 +106,13 @@ class LoadTracker:
             else:
                 self.loads[layer] = count.clone()
 
-    def reduce(self) -> dict[int, torch.Tensor]:
-        """The step's loads, summed over data-parallel ranks (all ranks must call this and must
-        have run the same layers)."""
+    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[int, torch.Tensor]:
+        """The step's loads, summed over the data-parallel ranks of `group` (default: all ranks). Every
+        rank of the group must call this and must have run the same layers."""
         if self.loads and gdist.is_dist():
             keys = sorted(self.loads)
             flat = torch.stack([self.loads[k] for k in keys])  # [L, E]
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=group)
             self.loads = dict(zip(keys, flat.unbind(0)))
         return self.loads
 

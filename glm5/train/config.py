@@ -150,12 +150,41 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    data_parallel: Literal["fsdp", "none"] = "fsdp"
-    """With several processes: FSDP2 `fully_shard` (see glm5/train/parallel.py)."""
+    """The device mesh of a torchrun job: world = pipeline x data x expert x tensor (glm5/train/parallel.py)."""
+
+    data_parallel: int = 0
+    """FSDP2 ranks besides the expert-parallel ones (0 = whatever the other degrees leave of the world)."""
     expert_parallel: int = 1
-    """Ranks that share one copy of the experts (tokens dispatched with all_to_all)."""
+    """Ranks that share one copy of the routed experts (tokens dispatched with all_to_all); they read
+    different data, so the data-parallel degree is data_parallel x expert_parallel."""
+    tensor_parallel: int = 1
+    """Ranks that split every attention head group, dense/shared MLP and the vocabulary (DTensor TP)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages over ranks (torch.distributed.pipelining); micro-batches = train.grad_accum."""
+    pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule; interleaved_1f1b runs `stages_per_rank` stages on each pipeline rank."""
+    stages_per_rank: int = 1
+    """Virtual pipeline stages per rank (interleaved_1f1b needs >= 2)."""
+    pipeline_split: list[int] = field(default_factory=list)
+    """Main decoder layers per stage (sums to num_hidden_layers; [] = as even as possible). The MTP
+    layer always joins the last stage."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend (auto: nccl on GPU, gloo on CPU)."""
+
+    def __post_init__(self):
+        for key in ("expert_parallel", "tensor_parallel", "pipeline_parallel", "stages_per_rank"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.data_parallel < 0:
+            raise ValueError(f"parallel.data_parallel must be >= 0 (0 = the rest of the world), got {self.data_parallel}")
+        if self.pipeline_schedule == "interleaved_1f1b" and self.stages_per_rank < 2:
+            raise ValueError("parallel.pipeline_schedule = 'interleaved_1f1b' needs parallel.stages_per_rank >= 2")
+        if self.pipeline_schedule != "interleaved_1f1b" and self.stages_per_rank != 1:
+            raise ValueError(f"parallel.stages_per_rank = {self.stages_per_rank} needs "
+                             "parallel.pipeline_schedule = 'interleaved_1f1b'")
+        if any(n < 1 for n in self.pipeline_split):
+            raise ValueError(f"parallel.pipeline_split {self.pipeline_split}: every stage needs >= 1 layer "
+                             "(an empty pipeline stage is refused)")
 
 
 @dataclass(kw_only=True)

@@ -1,24 +1,27 @@
 """Parallelism applied to a built model from outside it: `parallelize(model, cfg)` (the trainer's hook).
 
-Layout: world = dp x ep ranks on a 2-D DeviceMesh ("dp", "ep").
-- Every rank reads its own data (data parallel over all `world` ranks). Non-expert parameters are
-  sharded by FSDP2 (`fully_shard`) over all ranks: one FSDP unit per decoder/MTP layer, then the root.
-- Routed experts are split over "ep" (`parallel_ep.EPExperts`: E / ep experts per rank, tokens moved by
-  all-to-all) and sharded by FSDP over "dp" (the ranks that hold the same experts). Their gradient
-  already sums the contributions of the tokens of all `ep` ranks of the group, so FSDP divides it by
-  the world size rather than by dp: both kinds of gradient are then means over the global batch.
+Mesh: world = pp x dp x ep x tp ranks on one 4-D DeviceMesh ("pp", "dp", "ep", "tp"), tp innermost (the
+ranks that talk most are neighbours). Order of application, as torchtitan: expert parallel -> tensor
+parallel -> FSDP2 (pipeline stages are cut before all of them, see parallel_pp.py).
+
+- Data: the dp x ep ranks read different rows of the global batch ("data" = dp, ep flattened; tp peers
+  read the same rows). Non-expert parameters are sharded by FSDP2 over "data": one unit per
+  decoder/MTP layer, then the root; tensor-parallel weights become 2-D (data, tp) DTensors.
+- Experts (`parallel_ep.EPExperts`): E / ep experts per rank, tokens moved by all-to-all over "ep";
+  with tp > 1 each TP rank runs 1/tp of the tokens (parallel_tp.TokenParallel). The experts' own FSDP
+  unit spans the ranks that hold the same experts and see different tokens: dp x tp. Their gradient
+  sums those ranks' tokens (and, through the all-to-all, the ep group's), so FSDP divides it by the
+  data-parallel degree D = dp x ep instead of its mesh size: every gradient is then the mean over the
+  global batch, the same as one process on the whole batch.
 - Precision (FSDP's MixedPrecisionPolicy): bf16 parameters with fp32 gradient reduction on GPU, fp32
   on CPU. Master weights and optimizer state stay fp32 and sharded.
-
-Tensor and pipeline parallelism: not implemented. They would slot in here, before FSDP (torchtitan's
-order: TP/EP -> activation checkpointing -> compile -> FSDP), as extra mesh dimensions "tp" / "pp":
-TP as `parallelize_module` plans on MLA's projections (colwise q_b/kv_b, rowwise o_proj) and the shared
-experts, PP by splitting `model.model.layers` into stages with `torch.distributed.pipelining`.
-`ParallelConfig` has no knobs for them, so nobody can ask for a parallelism that silently does nothing.
+- A mesh that does not divide the world, or a model that a degree does not divide (heads, vocab,
+  experts, layers), is refused before any compute, naming the key.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,44 +32,94 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import DTensor
 
 from glm5.core import dist as gdist
+from glm5.model.config import ModelConfig
 
-from .parallel_ep import EPExperts, convert_to_ep
+from .parallel_ep import convert_to_ep
+from .parallel_tp import apply_tp, check_tp
+
+DIMS = ("pp", "dp", "ep", "tp")
 
 
 @dataclass
 class ParallelPlan:
-    """What `parallelize` did: the mesh and the sizes (kept on the model as `model.parallel_plan`)."""
+    """What `parallelize` did (kept on the model as `model.parallel_plan`)."""
 
-    mesh: DeviceMesh  # 2-D ("dp", "ep")
+    mesh: DeviceMesh  # 4-D ("pp", "dp", "ep", "tp")
     dp: int
     ep: int
-    mixed_precision: bool
+    tp: int = 1
+    pp: int = 1
+    mixed_precision: bool = False
 
     @property
     def world(self) -> int:
-        return self.dp * self.ep
+        return self.pp * self.dp * self.ep * self.tp
 
-    # data parallel = every rank (dp x ep): each reads its own rows of the global batch
+    @property
+    def data_mesh(self) -> DeviceMesh:
+        """The dp x ep ranks that read different rows (1-D, flattened)."""
+        return _flat(self.mesh, ("dp", "ep"), "data")
+
     @property
     def data_rank(self) -> int:
-        return self.mesh.get_rank()
+        return self.data_mesh.get_local_rank()
 
     @property
     def data_world(self) -> int:
-        return self.world
+        return self.dp * self.ep
 
     @property
     def data_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
+        return self.data_mesh.get_group()
+
+    def loss_context(self):
+        """Around forward *and* backward: the vocab-parallel cross entropy of tensor parallel."""
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
 
 
-def build_mesh(ep: int, device_type: str | None = None) -> DeviceMesh:
-    """The 2-D ("dp", "ep") mesh over the default process group; ep must divide the world size."""
-    world = gdist.world_size()
-    if ep < 1 or world % ep:
-        raise ValueError(f"parallel.expert_parallel={ep} must be >= 1 and divide the world size {world}")
+def _flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """A 1-D view of some mesh dimensions that stays a child of the same root mesh (FSDP and DTensor
+    need that to compose); a single dimension is returned as is."""
+    return mesh[dims[0]] if len(dims) == 1 else mesh[dims]._flatten(name)
+
+
+def mesh_shape(world: int, dp: int = 0, ep: int = 1, tp: int = 1, pp: int = 1) -> dict[str, int]:
+    """The degrees of each mesh dimension; dp = 0 takes what the others leave. Raises ValueError naming
+    the `parallel.*` key when the product cannot equal the world size."""
+    for key, n in (("expert_parallel", ep), ("tensor_parallel", tp), ("pipeline_parallel", pp)):
+        if n < 1 or world % n:
+            raise ValueError(f"parallel.{key}={n} must be >= 1 and divide the world size {world}")
+    rest = world // (ep * tp * pp) if world % (ep * tp * pp) == 0 else 0
+    if dp == 0:
+        if rest == 0:
+            raise ValueError(f"parallel.expert_parallel x tensor_parallel x pipeline_parallel = {ep * tp * pp} "
+                             f"does not divide the world size {world}")
+        dp = rest
+    if pp * dp * ep * tp != world:
+        raise ValueError(f"parallel.data_parallel={dp} x expert_parallel={ep} x tensor_parallel={tp} x "
+                         f"pipeline_parallel={pp} = {pp * dp * ep * tp} ranks, but the world size is {world}")
+    return {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
+
+
+def check_model(cfg: ModelConfig, shape: dict[str, int], stages: int = 1) -> None:
+    """Refuse a model that the mesh cannot split evenly (before any compute)."""
+    ep = shape["ep"]
+    if ep > 1 and cfg.n_routed_experts % ep:
+        raise ValueError(f"parallel.expert_parallel={ep} does not divide n_routed_experts={cfg.n_routed_experts}")
+    check_tp(cfg, shape["tp"])
+    if stages > cfg.num_hidden_layers:
+        raise ValueError(f"parallel.pipeline_parallel x stages_per_rank = {stages} stages for "
+                         f"num_hidden_layers={cfg.num_hidden_layers}: a stage would be empty")
+
+
+def build_mesh(ep: int = 1, device_type: str | None = None, *, dp: int = 0, tp: int = 1, pp: int = 1) -> DeviceMesh:
+    """The 4-D ("pp", "dp", "ep", "tp") mesh over the default process group."""
+    shape = mesh_shape(gdist.world_size(), dp, ep, tp, pp)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    return init_device_mesh(device_type, tuple(shape[d] for d in DIMS), mesh_dim_names=DIMS)
 
 
 def mixed_precision_policy(device_type: str, dtype: str = "auto") -> MixedPrecisionPolicy:
@@ -77,37 +130,63 @@ def mixed_precision_policy(device_type: str, dtype: str = "auto") -> MixedPrecis
     return MixedPrecisionPolicy()
 
 
-def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto") -> nn.Module:
-    """EP (when ep > 1) then FSDP2 over the world, in place; returns the model (now an FSDP module)."""
-    mesh = build_mesh(ep)
-    mp = mixed_precision_policy(mesh.device_type, dtype)
-    # 1-D view of all ranks for the non-expert FSDP units; `_flatten` keeps it a child of the same root
-    # mesh as "dp"/"ep" (torchtitan flattens its dp_shard x cp dimensions the same way)
-    world_mesh = mesh._flatten("world") if mesh.size() > 1 else mesh["dp"]
-    experts = convert_to_ep(model, mesh["ep"]) if ep > 1 else []
-    for ex in experts:  # experts first, so the layer units below leave them to their own FSDP unit
-        fully_shard(ex, mesh=mesh["dp"], mp_policy=mp)
-        ex.set_gradient_divide_factor(float(mesh.size()))
-        if mesh["dp"].size() > 1:
-            # SUM then divide (gloo has no PREMUL_SUM reduce-scatter). Not on a 1-rank dp group: there
-            # torch 2.13's FSDP skips the collective, divides itself and would divide twice.
-            ex.set_force_sum_reduction_for_comms(True)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=world_mesh, mp_policy=mp)
+def _routed_experts(model: nn.Module) -> list[nn.Module]:
+    return [layer.mlp.experts for layer in _layers(model) if hasattr(getattr(layer, "mlp", None), "experts")]
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    layers = model.model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def apply_fsdp(model: nn.Module, plan: ParallelPlan, mp: MixedPrecisionPolicy, own_expert_units: bool) -> None:
+    """FSDP2 units: the routed experts (own unit when they are EP- or token-parallel), every layer, root."""
+    data = plan.data_mesh
+    if own_expert_units:
+        emesh = _flat(plan.mesh, ("dp", "tp"), "dp_tp") if plan.tp > 1 else plan.mesh["dp"]
+        for ex in _routed_experts(model):  # first, so the layer units below leave them alone
+            fully_shard(ex, mesh=emesh, mp_policy=mp)
+            ex.set_gradient_divide_factor(float(plan.data_world))
+            if emesh.size() > 1:
+                # SUM then divide (gloo has no PREMUL_SUM reduce-scatter). Not on a 1-rank group: there
+                # torch 2.13's FSDP skips the collective, divides itself and would divide twice.
+                ex.set_force_sum_reduction_for_comms(True)
+    for layer in _layers(model):
+        fully_shard(layer, mesh=data, mp_policy=mp)
         if hasattr(layer, "forward_mtp"):  # MTP layers are entered through forward_mtp, not __call__
             register_fsdp_forward_method(layer, "forward_mtp")
-    fully_shard(model, mesh=world_mesh, mp_policy=mp)
-    model.parallel_plan = ParallelPlan(mesh, mesh.size() // ep, ep, mp.param_dtype is not None)
+    fully_shard(model, mesh=data, mp_policy=mp)
+
+
+def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto", *, dp: int = 0, tp: int = 1,
+                   pp: int = 1) -> nn.Module:
+    """EP, then TP, then FSDP2 over the mesh, in place; returns the model (now an FSDP module)."""
+    shape = mesh_shape(gdist.world_size(), dp, ep, tp, pp)
+    check_model(model.config, shape)
+    mesh = build_mesh(ep, dp=dp, tp=tp, pp=pp)
+    plan = ParallelPlan(mesh, shape["dp"], ep, tp, pp)
+    mp = mixed_precision_policy(mesh.device_type, dtype)
+    plan.mixed_precision = mp.param_dtype is not None
+    if ep > 1:
+        convert_to_ep(model, mesh["ep"])
+    if tp > 1:
+        apply_tp(model, mesh["tp"])
+    apply_fsdp(model, plan, mp, own_expert_units=ep > 1 or tp > 1)
+    model.parallel_plan = plan
     return model
 
 
 def parallelize(model: nn.Module, cfg) -> nn.Module:
-    """The trainer's hook: `cfg` is the `TrainConfig` (reads `parallel` and `precision.dtype`)."""
+    """The trainer's hook: `cfg` is the `TrainConfig` (reads `parallel`, `precision.dtype`, `dsa`)."""
     par = cfg.parallel
-    if par.data_parallel != "fsdp":
-        raise ValueError(f"parallel.data_parallel={par.data_parallel!r} with {gdist.world_size()} processes: "
-                         "gradients would never be synchronised; use 'fsdp'")
-    return apply_parallel(model, ep=par.expert_parallel, dtype=cfg.precision.dtype)
+    if par.pipeline_parallel > 1:
+        raise ValueError("parallel.pipeline_parallel > 1: pipeline parallelism is not wired into the trainer yet")
+    if par.tensor_parallel > 1 and (cfg.dsa.indexer_loss_coef > 0 or cfg.dsa.indexer_warmup_steps > 0):
+        raise ValueError("parallel.tensor_parallel > 1 with the DSA indexer loss/warm-up is not supported: the "
+                         "indexer's target is the attention over all heads (set dsa.indexer_loss_coef = 0 and "
+                         "dsa.indexer_warmup_steps = 0)")
+    return apply_parallel(model, ep=par.expert_parallel, dtype=cfg.precision.dtype, dp=par.data_parallel,
+                          tp=par.tensor_parallel, pp=par.pipeline_parallel)
 
 
 # --- helpers for the training loop --------------------------------------------------------------------
@@ -172,7 +251,3 @@ def sum_over_ranks(value: float | list[float]) -> float | list[float]:
 def mean_over_ranks(value: float) -> float:
     """A per-rank scalar (e.g. the local loss) averaged over all ranks; unchanged without a group."""
     return sum_over_ranks(value) / gdist.world_size() if gdist.is_dist() else value
-
-
-def expert_modules(model: nn.Module) -> list[EPExperts]:
-    return [m for m in model.modules() if isinstance(m, EPExperts)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .balance import balance_losses
 from .indexer_warmup import indexer_kl
@@ -41,8 +42,12 @@ def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy in fp32 over the non-ignored positions; logits [B, T, V], labels [B, T]."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    """Summed cross entropy in fp32 over the non-ignored positions; logits [B, T, V], labels [B, T].
+
+    Vocab-sharded logits (a DTensor from tensor parallel's LM head, inside `loss_parallel`) are never
+    gathered: the result, the same on every TP rank, comes back as a plain tensor."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance_cfg,

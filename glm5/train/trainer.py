@@ -102,6 +102,7 @@ class Trainer:
         plan = getattr(self.model, "parallel_plan", None)
         self.data_rank, self.data_world = (plan.data_rank, plan.data_world) if plan else (dist.rank(), dist.world_size())
         self.data_group = plan.data_group if plan else None
+        self.loss_context = plan.loss_context if plan else contextlib.nullcontext
         self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
         check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
@@ -208,7 +209,7 @@ class Trainer:
         self._clip(params, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loads = self.tracker.reduce()
+        loads = self.tracker.reduce(self.data_group)
         update_expert_bias(self.gates, loads, self.cfg.balance.bias_update_rate)
         metrics.update(load_metrics(loads))
         self.step += 1
@@ -227,11 +228,12 @@ class Trainer:
         lm_sum, mtp_sum, extra = 0.0, 0.0, {}
         self.tracker.reset()
         for objective, batch in micro:
-            with self._autocast():
-                res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
-                                    cfg.dsa.indexer_loss_coef, self.capture, self.data_group)
-                loss = micro_loss(res, n_tok / D, n_mtp / D, cfg.train.mtp_weight, len(micro))
-            loss.backward()
+            with self.loss_context():  # forward and backward (tensor parallel: vocab-parallel loss)
+                with self._autocast():
+                    res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
+                                        cfg.dsa.indexer_loss_coef, self.capture, self.data_group)
+                    loss = micro_loss(res, n_tok / D, n_mtp / D, cfg.train.mtp_weight, len(micro))
+                loss.backward()
             lm_sum += float(res.lm_sum.detach())
             mtp_sum += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
             for k, v in res.balance.items():
@@ -317,7 +319,7 @@ class Trainer:
         logp = torch.log((self.unigram + 1) / (self.unigram.sum() + self.unigram.numel()))
         for batch in self.data.val_batches(self.cfg.log.eval_batches):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            with self._autocast():
+            with self._autocast(), self.loss_context():
                 res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance)
             total += float(res.lm_sum)
             count += res.lm_tokens
@@ -326,7 +328,8 @@ class Trainer:
         self.model.train()
         if self.capture is not None:
             self.capture.enabled = True
-        total, uni, count = self._sum(total), self._sum(uni), int(self._sum(count))  # over ranks' shards
+        total, uni, count = self._global([total, uni, count])  # over the data ranks' shards
+        count = int(count)
         if count == 0:
             return {}
         return {"val_loss": total / count, "unigram_loss": uni / count, "val_tokens": count}

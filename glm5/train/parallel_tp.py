@@ -1,0 +1,200 @@
+"""Tensor parallelism (TP) for GLM-5, applied from outside the model with DTensor `parallelize_module`.
+
+Layout on a "tp" mesh of size P (Megatron TP without sequence parallelism: the residual stream between
+blocks is replicated, every TP rank holds the whole [B, T, H] activation):
+
+- MLA: heads are split after the low-rank projections. `q_a_proj`, `kv_a_proj_with_mqa`, their norms and
+  the DSA indexer stay replicated (small, and the indexer needs every head's query for its top-k);
+  `q_b_proj` and `kv_b_proj` are column-parallel (this rank's H/P heads), `o_proj` row-parallel (partial
+  outputs all-reduced). The module's `n_heads` becomes H/P, so the model's views see local heads.
+- Dense MLP and shared experts: gate/up column-parallel, down row-parallel (one all-reduce out, one in
+  backward).
+- Routed experts: token-parallel. Each TP rank runs 1/P of the tokens through the experts (with expert
+  parallel, dispatches them over its EP group) and the outputs are all-gathered: the same FLOPs as
+  splitting every expert P ways, without the reduction. Their gradients differ per TP rank and are
+  summed by FSDP over the (dp, tp) ranks (see parallel.py).
+- Embedding row-parallel (vocab-sharded, output all-reduced), LM head column-parallel with a
+  vocab-parallel cross entropy (`loss_parallel`): the [T, V] logits are never gathered.
+
+Gradient rule that makes this exact: a replicated activation that feeds head-sharded computation gets
+a partial gradient on each rank and must be all-reduced exactly once. `ColwiseParallel` does this for
+its input (q_b_proj, MLP gate/up). The latent `c_kv` and the rope key `k_rope` reach the heads also
+without a module call (absorbed sparse attention, the shared rope key), so they get an explicit
+`_grad_all_reduce` after `kv_a_layernorm` / on the rope slice of `kv_a_proj_with_mqa`, and `kv_b_proj`
+uses a column-parallel style that leaves its input gradient partial. Parameters outside these regions
+then get identical gradients on every TP rank.
+
+Not supported with TP (refused with the reason): tied embeddings, `moe_type = "soft"`, the DSA indexer
+KL loss / warm-up (its target is the attention over all heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
+
+from glm5.model.attention import MLAttention
+from glm5.model.config import ModelConfig
+from glm5.model.layers import SwiGLU
+from glm5.model.moe import MoE
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient over `group` backward (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReplicateKeepPartial(torch.autograd.Function):
+    """A plain tensor -> DTensor Replicate whose backward hands the (partial) local gradient back
+    unreduced: the reduction happens once, upstream (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None
+
+
+class _ColwiseKeepPartial(ColwiseParallel):
+    """ColwiseParallel whose input gradient stays partial (its input was already marked with
+    `_grad_all_reduce` upstream)."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        return x if isinstance(x, DTensor) else _ReplicateKeepPartial.apply(x, device_mesh)
+
+
+class _TokenScatter(torch.autograd.Function):
+    """Forward: this rank's chunk of the rows; backward: all-gather the chunk gradients (the rows are
+    replicated on every TP rank, so the full gradient must be too)."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.group, ctx.size = group, size
+        return x.chunk(size)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad.contiguous(), ctx.group, ctx.size), None, None, None
+
+
+class _TokenGather(torch.autograd.Function):
+    """Forward: all-gather every rank's rows; backward: this rank's chunk of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, size):
+        ctx.rank, ctx.size = rank, size
+        return _all_gather_rows(x.contiguous(), group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
+
+
+def _all_gather_rows(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts)
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Refuse, before any compute, a model that `tensor_parallel = tp` cannot split evenly."""
+    if tp <= 1:
+        return
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
+             "moe_intermediate_size * n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts,
+             "vocab_size": cfg.vocab_size}
+    for name, n in sizes.items():
+        if n % tp:
+            raise ValueError(f"parallel.tensor_parallel={tp} does not divide the model's {name}={n}")
+    if cfg.tie_word_embeddings:
+        raise ValueError("parallel.tensor_parallel > 1 needs untied embeddings (tie_word_embeddings = false): "
+                         "the embedding is row-parallel and the LM head column-parallel")
+    if cfg.moe_type == "soft":
+        raise ValueError("parallel.tensor_parallel > 1 needs top-k routing (moe_type = 'soft' runs every "
+                         "token through every expert)")
+
+
+class TokenParallel:
+    """Forward hooks that run a routed-experts module on 1/P of the tokens of each TP rank.
+
+    `Experts.forward(x [N, H], idx [N, A], weights [N, A], keep [N, A] | None)`: the pre-hook takes this
+    rank's rows of every argument, the post-hook all-gathers the output rows. N must divide by P (the
+    trainer checks batch x seq_len)."""
+
+    def __init__(self, tp_mesh: DeviceMesh):
+        self.group, self.rank, self.size = tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size()
+
+    def pre(self, module, args, kwargs):
+        x, idx, weights, *rest = args
+        keep = rest[0] if rest else kwargs.pop("keep", None)
+        if x.shape[0] % self.size:
+            raise ValueError(f"tensor parallel: {x.shape[0]} tokens per micro-batch do not split over "
+                             f"tensor_parallel={self.size} ranks (make data.batch_size x seq_len divisible)")
+        split = lambda t: _TokenScatter.apply(t, self.group, self.rank, self.size)  # noqa: E731
+        keep = None if keep is None else keep.chunk(self.size)[self.rank]
+        return (split(x), idx.chunk(self.size)[self.rank], split(weights), keep), kwargs
+
+    def post(self, module, args, output):
+        return _TokenGather.apply(output, self.group, self.rank, self.size)
+
+
+def _mlp_plan(prefix: str) -> dict:
+    """Column-parallel gate/up, row-parallel down; one input all-reduce in backward (the DTensor input
+    collects both partial gradients before it is reduced)."""
+    return {prefix: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=False),
+            f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
+            f"{prefix}.down_proj": RowwiseParallel()}
+
+
+def _attention(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
+    P, group = tp_mesh.size(), tp_mesh.get_group()
+    parallelize_module(attn, tp_mesh, {"q_b_proj": ColwiseParallel(), "kv_b_proj": _ColwiseKeepPartial(),
+                                       "o_proj": RowwiseParallel()})
+    rank = attn.kv_rank
+
+    def rope_slice(module, args, out):  # [.., R + P]: only the rope key goes to the heads unprojected
+        return torch.cat([out[..., :rank], _GradAllReduce.apply(out[..., rank:], group)], dim=-1)
+
+    attn.kv_a_proj_with_mqa.register_forward_hook(rope_slice)
+    attn.kv_a_layernorm.register_forward_hook(lambda m, a, out: _GradAllReduce.apply(out, group))
+    attn.n_heads = attn.n_heads // P  # the model's views now see this rank's heads
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Tensor-parallelise `model` (a GLM5ForCausalLM, after expert parallel) over `tp_mesh`, in place."""
+    P = tp_mesh.size()
+    check_tp(model.config, P)
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    })
+    tokens = TokenParallel(tp_mesh)
+    for layer in model.model.layers:
+        _attention(layer.self_attn, tp_mesh)
+        if isinstance(layer.mlp, SwiGLU):
+            parallelize_module(layer, tp_mesh, _mlp_plan("mlp"))
+        elif isinstance(layer.mlp, MoE):
+            parallelize_module(layer, tp_mesh, _mlp_plan("mlp.shared_experts"))
+            layer.mlp.experts.register_forward_pre_hook(tokens.pre, with_kwargs=True)
+            layer.mlp.experts.register_forward_hook(tokens.post)
+    return model

@@ -1,0 +1,47 @@
+"""Bad parallel layouts are refused before any compute, naming the `parallel.*` key (no processes)."""
+
+import pytest
+
+from glm5.core.config import ConfigError, from_dict
+from glm5.train.config import ParallelConfig, TrainConfig
+from glm5.train.parallel import check_model, mesh_shape
+from tests._tiny import tiny_config
+
+
+def test_mesh_shape_fills_data_parallel_and_names_the_bad_degree():
+    assert mesh_shape(16, ep=2, tp=2, pp=2) == {"pp": 2, "dp": 2, "ep": 2, "tp": 2}
+    assert mesh_shape(4, dp=2, ep=2) == {"pp": 1, "dp": 2, "ep": 2, "tp": 1}
+    with pytest.raises(ValueError, match="tensor_parallel=3"):
+        mesh_shape(8, tp=3)
+    with pytest.raises(ValueError, match="data_parallel=3.*world size is 8"):
+        mesh_shape(8, dp=3, ep=2)
+    with pytest.raises(ValueError, match="pipeline_parallel=4"):
+        mesh_shape(2, pp=4)
+    with pytest.raises(ValueError, match="does not divide the world size 12"):
+        mesh_shape(12, ep=2, tp=4)  # 8 does not divide 12 though each degree does
+
+
+def test_model_that_the_mesh_cannot_split_is_refused():
+    cfg = tiny_config()  # 4 heads, 8 experts, 3 layers, vocab 512
+    shape = lambda **kw: {"pp": 1, "dp": 1, "ep": 1, "tp": 1, **kw}  # noqa: E731
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        check_model(cfg, shape(tp=8))
+    with pytest.raises(ValueError, match="n_routed_experts=8"):
+        check_model(cfg, shape(ep=3))
+    with pytest.raises(ValueError, match="stage would be empty"):
+        check_model(cfg, shape(pp=4), stages=4)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        check_model(tiny_config(tie_word_embeddings=True), shape(tp=2))
+    check_model(cfg, shape(tp=4, ep=2), stages=3)  # fits
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"pipeline_split": [2, 0]}, "empty pipeline stage"),
+    ({"tensor_parallel": 0}, "tensor_parallel must be >= 1"),
+    ({"pipeline_schedule": "interleaved_1f1b"}, "stages_per_rank >= 2"),
+    ({"stages_per_rank": 2}, "interleaved_1f1b"),
+])
+def test_parallel_config_validation(bad, match):
+    with pytest.raises((ValueError, ConfigError), match=match):
+        from_dict(TrainConfig, {"parallel": bad})
+    assert ParallelConfig().data_parallel == 0
