@@ -84,7 +84,9 @@ def run_single(args) -> dict:
 def run_config_file(args, overrides) -> list[dict]:
     from glm5.eval.harness import EvalConfig, run_config
 
-    cfg = from_dict(EvalConfig, apply_overrides(load_toml(args.config), overrides))
+    from glm5.core.resources import config_file
+
+    cfg = from_dict(EvalConfig, apply_overrides(load_toml(config_file(args.config)), overrides))
     return run_config(cfg, progress=not args.no_progress)
 
 

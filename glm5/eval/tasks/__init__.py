@@ -8,6 +8,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+from glm5.core.resources import resolve_path
+
 from ..lm import GenerationParams
 from ..sandbox import Limits
 from .base import Doc, Task
@@ -17,8 +19,8 @@ from .humaneval import STOP, HumanEvalTask
 from .ppl import PerplexityTask
 
 TaskName = Literal["ppl", "mmlu", "ceval", "humaneval", "exact", "queries"]
-BUNDLED = {  # task -> file or directory under glm5/eval/data
-    "ppl": "corpus_heldout.jsonl.gz",
+BUNDLED = {  # task -> file or directory under glm5/eval/data, or a bundled asset
+    "ppl": "bundled:corpus/validation.jsonl.gz",
     "mmlu": "mmlu_corpus",
     "ceval": "ceval_corpus",
     "humaneval": "HumanEval.jsonl.gz",
@@ -64,7 +66,10 @@ class TaskConfig:
 
 
 def bundled_path(task: str) -> Path:
-    path = Path(str(resources.files("glm5.eval").joinpath("data", BUNDLED[task])))
+    name = BUNDLED[task]
+    if name.startswith("bundled:"):
+        return resolve_path(name)  # held-out split of the bundled corpus (glm5/data/assets)
+    path = Path(str(resources.files("glm5.eval").joinpath("data", name)))
     if not path.exists():
         raise FileNotFoundError(f"no bundled data for {task!r} ({path}); pass --data")
     return path
