@@ -264,9 +264,13 @@ def test_nonstream_disconnect_aborts(server):
 def test_engine_failure_is_503_not_a_hang(server):
     _, url = server
     r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-    assert httpx.get(url + "/health").status_code == 503
-    assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30).status_code == 503
+    err = r.json()["error"]
+    assert r.status_code == 503 and err["code"] == "engine_failed", err
+    assert "simulated device error" in err["message"] and "shutting down" not in err["message"]
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and health.json()["error"]["message"].startswith("engine failed")
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
 
 
 def test_graceful_shutdown_drains_then_aborts():

@@ -3,7 +3,10 @@
 schema were 500s; tiny temperature / repetition_penalty gave NaN) is now a 4xx OpenAI error object
 naming the field, and the server keeps answering a good request correctly afterwards."""
 
+import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -36,8 +39,9 @@ def live(tmp_path_factory, one_thread):
     prompt_ids = TOK.encode(PROMPT, add_special_tokens=True)
     expected = TOK.decode(model.generate_greedy(torch.tensor([prompt_ids]), 6)[0, len(prompt_ids):].tolist(),
                           skip_special_tokens=True)
-    with serve_in_thread(create_app(engine, config=ServerConfig(), model_name="tiny")) as url:
-        yield {"url": url, "engine": engine, "expected": expected, "vocab": cfg.vocab_size}
+    app = create_app(engine, config=ServerConfig(), model_name="tiny")
+    with serve_in_thread(app) as url:
+        yield {"url": url, "engine": engine, "expected": expected, "vocab": cfg.vocab_size, "app": app}
 
 
 def post(live, path, body, **kw):
@@ -130,3 +134,66 @@ def test_extreme_sampling_values_run_at_the_safe_floor(live, tiny, floor):
         return r.json()["choices"][0]["logprobs"]["tokens"]
     assert tokens(tiny) == tokens(floor)
     assert_alive(live)
+
+
+def metric(live, name: str) -> float:
+    for line in httpx.get(live["url"] + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(live, monkeypatch):
+    """An exception inside the step that one request causes (injected: the runner fails whenever the
+    request seeded 666 is in the batch) gives that client an OpenAI error object; requests batched with
+    it get exactly the greedy text they get alone, and the server stays healthy."""
+    engine = live["engine"]
+    real_run = engine.runner.run
+
+    def run(out):  # seed 666 fails at once, seed 667 after two tokens (mid-stream)
+        if any(s.request.params.seed == 666 or (s.request.params.seed == 667 and s.request.num_output_tokens >= 2)
+               for s in out.scheduled):
+            raise RuntimeError("injected fault")
+        return real_run(out)
+    monkeypatch.setattr(engine.runner, "run", run)
+    good = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    bad = {"prompt": "poison", "max_tokens": 6, "seed": 666}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=live["url"], timeout=60) as h:
+            return await asyncio.gather(*[h.post("/v1/completions", json=b) for b in (good, bad, good)],
+                                        h.post("/v1/completions", json={**bad, "seed": 667, "stream": True}))
+    r_good, r_bad, r_good2, r_stream = asyncio.run(go())
+    for r in (r_good, r_good2):
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == live["expected"], r.text
+    err = assert_error(r_bad, 500)
+    assert err["code"] == "request_failed" and "injected fault" in err["message"]
+    lines = [ln for ln in r_stream.text.splitlines() if ln.startswith("data: ")]
+    assert r_stream.status_code == 200 and len(lines) >= 3  # tokens went out before the fault
+    assert json.loads(lines[-2][6:])["error"]["code"] == "request_failed" and lines[-1] == "data: [DONE]"
+    assert metric(live, "vllm:num_requests_running") == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    monkeypatch.undo()
+    assert_alive(live)
+
+
+def test_gauges_drop_to_zero_when_the_last_client_leaves(live, monkeypatch):
+    """Before: num_requests_running stayed 1 and KV usage above 0 after a disconnect until the next
+    request arrived. The engine is held between steps (a gate) so the request is surely running."""
+    engine, gate = live["engine"], threading.Event()
+    real_run = engine.runner.run
+
+    def run(out):
+        if any(s.request.num_output_tokens >= 1 for s in out.scheduled):
+            gate.wait(30)
+        return real_run(out)
+    monkeypatch.setattr(engine.runner, "run", run)
+    with httpx.stream("POST", live["url"] + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPT, "max_tokens": 50, "stream": True}) as r:
+        next(r.iter_lines())
+        assert metric(live, "vllm:num_requests_running") == 1 and metric(live, "vllm:kv_cache_usage_perc") > 0
+    gate.set()  # the held step ends, then the abort of the closed stream runs
+    deadline = time.monotonic() + 30
+    while metric(live, "vllm:num_requests_running") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(live, "vllm:num_requests_running") == 0 and metric(live, "vllm:kv_cache_usage_perc") == 0

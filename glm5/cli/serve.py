@@ -88,15 +88,24 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"glm5 serve: {e}")
         return 2
-    import uvicorn
-
     from glm5.infer.engine import LLMEngine
     from glm5.serve.app import create_app
+    from glm5.serve.server import GracefulServer
 
-    engine = LLMEngine(engine_cfg)
-    app = create_app(engine, config=server_cfg)
+    try:
+        engine = LLMEngine(engine_cfg)
+    except (ValueError, OSError) as e:  # a bad setting or checkpoint: say which, without a traceback
+        print(f"glm5 serve: cannot start the engine: {e}")
+        return 2
+    server: GracefulServer | None = None
+    app = create_app(engine, config=server_cfg, on_engine_failure=lambda e: server.engine_failed(e))
+    server = GracefulServer(app, server_cfg.host, server_cfg.port, server_cfg.shutdown_timeout_s)
     print(f"glm5 serve: {app.state.serve.model_name} on http://{server_cfg.host}:{server_cfg.port} "
           f"(auth {'on' if server_cfg.api_key else 'off'}, admin {'on' if server_cfg.admin_key else 'off'})")
-    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level="info",
-                timeout_graceful_shutdown=int(server_cfg.shutdown_timeout_s) + 5)
+    server.run()
+    if server.engine_failure is not None:
+        e = server.engine_failure
+        print(f"glm5 serve: the engine failed ({type(e).__name__}: {e}); exiting with status 3 so that a "
+              "supervisor restarts the server")
+        return 3
     return 0

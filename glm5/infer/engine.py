@@ -25,12 +25,13 @@ from glm5.model.model import GLM5ForCausalLM
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .experts import apply_expert_updates, expert_stats, parse_expert_updates
+from .faults import FaultTracker, is_fatal, run_each
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, fan_out
-from .runner import ModelRunner
+from .runner import ModelRunner, RunnerOutput
 from .sampling import SamplingParams, check_token_ids
-from .scheduler import Scheduler
+from .scheduler import ScheduleOutput, Scheduler
 
 log = logging.getLogger(__name__)
 BUNDLED_TOKENIZER = "bundled:tokenizer-8k"
@@ -101,6 +102,8 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # request id -> its (child) requests
         self._prompts: dict[str, str | None] = {}
         self._flushed: set[str] = set()  # finished requests whose detokenizer was flushed
+        self._errors: dict[str, str] = {}  # request id -> why the engine aborted it (faults.py)
+        self._faults = FaultTracker()
 
     # ---- construction helpers -----------------------------------------------------------------------
     def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
@@ -181,17 +184,33 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, update the requests; outputs of the requests that changed."""
+        """Schedule, run the model, update the requests; outputs of the requests that changed.
+
+        A failure attributable to one request (faults.py) aborts that request: its output comes back
+        finished with `error` set, and every other request carries on. Other failures raise."""
         out = self.scheduler.schedule()
         if out.is_empty():
             return []
-        result = self.runner.run(out)
+        result, failed = self._run(out)
         for s in out.scheduled:
             entries = result.prompt_logprobs.get(s.request_id)
             if entries is not None:
                 req = s.request
                 req.prompt_logprobs = entries if s.start == 0 else (req.prompt_logprobs or []) + entries
-        self.scheduler.update(out, result.sampled, result.logprobs, result.draft_token_ids or None)
+        for s in out.scheduled:  # one request at a time: a failing stop check or detokenizer is its own
+            if s.request_id in failed:
+                continue
+            try:
+                self.scheduler.update(ScheduleOutput([s]), result.sampled, result.logprobs,
+                                      result.draft_token_ids or None)
+            except Exception as e:  # noqa: BLE001
+                if is_fatal(e):
+                    raise
+                failed[s.request_id] = e
+        for s in out.scheduled:
+            if s.request_id in failed:
+                self._fail(s.request, failed[s.request_id])
+        self._faults.record(len(out.scheduled) - len(failed), list(failed.values()))  # EngineFault on a streak
         changed = {s.request.parent_id or s.request_id for s in out.scheduled
                    if s.request_id in result.sampled or s.request.is_finished}
         outputs = [self._output(gid) for gid in changed if gid in self._groups]
@@ -200,7 +219,28 @@ class LLMEngine:
                 for r in self._groups.pop(o.request_id, []):
                     self._flushed.discard(r.request_id)
                 self._prompts.pop(o.request_id, None)
+                self._errors.pop(o.request_id, None)
         return outputs
+
+    def _run(self, out: ScheduleOutput) -> tuple[RunnerOutput, dict[str, Exception]]:
+        """The runner's step; if it fails, each request again alone to find the one(s) to blame."""
+        try:
+            return self.runner.run(out), {}
+        except Exception as e:  # noqa: BLE001
+            if is_fatal(e):
+                raise
+            log.warning("engine step failed (%s: %s); re-running its %d requests one by one",
+                        type(e).__name__, e, len(out.scheduled))
+            return run_each(self.runner.run, out)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """Abort the request group `req` belongs to (all n samples), keeping the error for its output."""
+        gid = req.parent_id or req.request_id
+        log.error("request %s failed in the engine and was aborted; the others continue", gid,
+                  exc_info=error)
+        self._errors[gid] = f"{type(error).__name__}: {error}"
+        for r in self._groups.get(gid, []):
+            self.scheduler.abort(r.request_id)
 
     def _output(self, group_id: str) -> RequestOutput:
         reqs = self._groups[group_id]
@@ -216,7 +256,7 @@ class LLMEngine:
         first = reqs[0]
         return RequestOutput(group_id, self._prompts.get(group_id), list(first.prompt_token_ids),
                              first.prompt_logprobs, outs, all(r.is_finished for r in reqs), first.metrics,
-                             self.model_version)
+                             self.model_version, self._errors.get(group_id))
 
     # ---- stats and weights --------------------------------------------------------------------------
     def get_stats(self) -> dict:

@@ -67,3 +67,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     model_version: int | str | None = None
+    error: str | None = None  # set (with finished=True) when the engine aborted this request on a failure

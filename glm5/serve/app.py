@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm5.infer.sampling import check_token_ids
 from glm5.serve import admin
-from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded
-from glm5.serve.common import APIError, ServerState
+from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, RequestFailed
+from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.config import ServerConfig
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -142,14 +142,18 @@ def _json_response(body: dict) -> JSONResponse:
 
 
 def create_app(engine, tokenizer=None, config: ServerConfig | None = None, model_name: str | None = None,
-               max_model_len: int | None = None) -> FastAPI:
+               max_model_len: int | None = None, on_engine_failure=None) -> FastAPI:
+    """`on_engine_failure(exc)` runs (on the engine thread) if the engine loop dies of a fault that no
+    single request explains; `glm5 serve` uses it to exit non-zero. Without it the server stays up and
+    answers 503 "engine failed" (and /health 503) until it is restarted."""
     config = config or ServerConfig()
     tokenizer = tokenizer or engine.tokenizer
     engine_cfg = getattr(engine, "config", None)
     name = config.served_model_name or model_name or Path(str(getattr(engine_cfg, "model", "glm5"))).name
     max_len = max_model_len or int(getattr(engine_cfg, "max_model_len", 8192))
     metrics = ServerMetrics(name)
-    aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests)
+    aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
+                          on_failure=on_engine_failure)
     state = ServerState(engine, aengine, tokenizer, config, name, max_len, int(engine.model_config.vocab_size))
 
     @asynccontextmanager
@@ -189,8 +193,10 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
                       headers={"Retry-After": str(state.config.retry_after_s)})
 
     @app.exception_handler(EngineDead)
-    async def dead(request, e):
-        return _error(503, str(e), "service_unavailable", code="engine_unavailable")
+    @app.exception_handler(RequestFailed)
+    async def engine_error(request, e):
+        err = as_api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(ValueError)
     async def engine_rejected(request, e):  # the engine's own parameter validation
@@ -236,8 +242,10 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health():
         ae = state.async_engine
-        if not ae.is_running():
-            return _error(503, "engine not running", "service_unavailable", code="engine_unavailable")
+        reason = ae.unavailable_reason()
+        if reason is not None:
+            err = as_api_error(EngineDead(reason))
+            return JSONResponse(err.body(), status_code=err.status)
         return {"status": "ok", "model_version": ae.model_version}
 
     @app.get("/metrics")

@@ -10,7 +10,13 @@ Scheduling it adds on top of the engine:
   requests before the first step, and never has more than `max_batch_size` requests in the engine;
 - hot swap: new requests are held back, running ones finish on the old weights, then the swap runs and
   the version is bumped, so every request runs on exactly one model version (the one it reports);
-- shutdown: stop admitting, drain up to a timeout, abort the rest.
+- shutdown: `drain(grace_s)` stops admitting at once, lets running requests finish for the grace period,
+  then ends the rest with `EngineDead` (streams end with an error chunk and `[DONE]`);
+- faults: a request the engine aborted on a failure gets `RequestFailed`, everyone else carries on; if
+  `engine.step()` itself raises (a fault no single request explains) the loop stops, every waiting
+  client gets `EngineDead("engine failed ...")`, and `on_failure` is called (the CLI exits non-zero so a
+  supervisor restarts the server);
+- gauges: engine stats are refreshed after every step and whenever the engine goes idle.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from glm5.serve.metrics import ServerMetrics
 
@@ -36,6 +42,10 @@ class Overloaded(Exception):
 
 class EngineDead(Exception):
     """The engine loop stopped (shutdown or an engine error)."""
+
+
+class RequestFailed(Exception):
+    """The engine aborted this request on a failure attributable to it; other requests are unaffected."""
 
 
 @dataclass
@@ -54,9 +64,11 @@ class _Pending:
 
 class AsyncEngine:
     def __init__(self, engine, metrics: ServerMetrics, *, max_waiting_requests: int = 256,
-                 max_batch_size: int = 32, preferred_batch_size: int = 16, batch_timeout_ms: float = 500.0):
+                 max_batch_size: int = 32, preferred_batch_size: int = 16, batch_timeout_ms: float = 500.0,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.on_failure = on_failure  # called from the engine thread once the loop died of an engine fault
         cfg = getattr(engine, "config", None)
         self.max_batch_size = int(getattr(cfg, "max_batch_size", None) or max_batch_size)
         self.preferred_batch_size = min(self.max_batch_size,
@@ -72,7 +84,7 @@ class AsyncEngine:
         self._count_lock = threading.Lock()
         self._stats: dict = {}
         self._stopping = False
-        self._stop_timeout = 0.0
+        self._stop_timeout: float | None = None
         self._dead: BaseException | None = None
         self.versions: list[dict] = [{"version": self.model_version, "time": time.time(), "experts": []}]
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
@@ -88,6 +100,14 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._dead is None and not self._stopping and self._thread.is_alive()
 
+    def unavailable_reason(self) -> str | None:
+        """Why new requests are refused ("engine failed: ..." or "the server is shutting down"), or None."""
+        if self._dead is not None:
+            return f"engine failed ({type(self._dead).__name__}: {self._dead}); the server must be restarted"
+        if self._stopping or not self._thread.is_alive():
+            return "the server is shutting down"
+        return None
+
     def num_queued(self) -> int:
         """Requests the server holds back (not in the engine yet)."""
         return len(self._backlog) + self._num_submitted
@@ -100,8 +120,9 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator[Any]:
         """Yield the engine's `RequestOutput`s for one request; abort it if the consumer goes away."""
-        if self._dead is not None or self._stopping:
-            raise EngineDead("the server is shutting down")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineDead(reason)
         if self.num_waiting() >= self.max_waiting_requests:
             raise Overloaded(f"{self.num_waiting()} requests are waiting")
         p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop())
@@ -126,8 +147,14 @@ class AsyncEngine:
         self._commands.put(("swap", (updates, info, fut)))
         return await asyncio.wrap_future(fut)
 
+    def drain(self, grace_s: float) -> None:
+        """Stop admitting now; requests still running after `grace_s` seconds are ended (non-blocking,
+        callable from any thread; the first call's deadline holds)."""
+        self._stopping = True  # new requests are refused from this moment, not from the next loop turn
+        self._commands.put(("stop", grace_s))
+
     async def shutdown(self, timeout_s: float) -> None:
-        self._commands.put(("stop", timeout_s))
+        self.drain(timeout_s)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s + 30)
 
     # ---- engine thread ------------------------------------------------------------------------------
@@ -136,12 +163,15 @@ class AsyncEngine:
             self._loop()
         except BaseException as e:  # an engine bug must not leave clients hanging
             self._dead = e
+            dead = EngineDead(self.unavailable_reason())
             for p in [*self._active.values(), *self._backlog]:
-                self._send(p, EngineDead(f"engine error: {type(e).__name__}: {e}"))
+                self._send(p, dead)
             self._drain_commands(block=False, fail=e)
             while self._swaps:
-                self._swaps.popleft()[1].set_exception(EngineDead(f"engine error: {e}"))
-            log.exception("engine loop stopped; the server now answers 503")
+                self._swaps.popleft()[1].set_exception(dead)
+            log.exception("engine loop stopped: every request is refused until the server restarts")
+            if self.on_failure is not None:
+                self.on_failure(e)
 
     def _loop(self) -> None:
         deadline = None  # shutdown drain deadline
@@ -150,7 +180,9 @@ class AsyncEngine:
             wait = self._batch_wait() if idle and self._backlog else None
             block = idle and not self._backlog and not self._swaps and not self._stopping
             self._drain_commands(block=block, timeout=wait)
-            if self._stopping:
+            if not self._active:
+                self._refresh_stats()  # idle: gauges must not keep the last request's values
+            if self._stop_timeout is not None:  # draining (`_stopping` may be set before the command lands)
                 deadline = deadline or time.monotonic() + self._stop_timeout
                 if time.monotonic() > deadline or not (self._active or self._backlog):
                     break
@@ -160,11 +192,14 @@ class AsyncEngine:
             self._admit()
             if self._active:
                 self._step()
+        cut = EngineDead(f"the server shut down; the request did not finish within the {self._stop_timeout:g} s "
+                         "shutdown grace period")
         for rid in list(self._active):
             self.engine.abort_request(rid)
-            self._send(self._active.pop(rid), EngineDead("the server shut down"))
+            self._send(self._active.pop(rid), cut)
         while self._backlog:
-            self._send(self._backlog.popleft(), EngineDead("the server shut down"))
+            self._send(self._backlog.popleft(), cut)
+        self._refresh_stats()
         while self._swaps:
             self._swaps.popleft()[1].set_exception(EngineDead("the server shut down before the swap ran"))
 
@@ -193,7 +228,7 @@ class AsyncEngine:
             with self._count_lock:
                 self._num_submitted -= 1
             if fail is not None or self._stopping:
-                self._send(arg, EngineDead("the server is shutting down"))
+                self._send(arg, EngineDead(self.unavailable_reason() or "the server is shutting down"))
             else:
                 self._backlog.append(arg)
         elif kind == "abort":
@@ -201,10 +236,10 @@ class AsyncEngine:
         elif kind == "swap":
             updates, info, fut = arg
             if fail is not None:
-                fut.set_exception(EngineDead(str(fail)))
+                fut.set_exception(EngineDead(self.unavailable_reason()))
             else:
                 self._swaps.append(((updates, info), fut))
-        elif kind == "stop":
+        elif kind == "stop" and self._stop_timeout is None:  # the first drain's grace period holds
             self._stopping, self._stop_timeout = True, float(arg)
 
     def _abort(self, request_id: str) -> None:
@@ -250,15 +285,23 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        self._refresh_stats()  # before any client hears of this step, so gauges never lag behind it
         now = time.monotonic()
         for out in outputs:
             p = self._active.get(out.request_id)
             if p is None:
                 continue  # aborted meanwhile
+            if out.error is not None:  # the engine aborted this request on a failure; the rest go on
+                del self._active[out.request_id]
+                self.metrics.inc("vllm:request_success_total", 1.0, "error")
+                self._send(p, RequestFailed(out.error))
+                continue
             self._observe(p, out, now)
             if out.finished:
                 del self._active[out.request_id]
             self._send(p, out)
+
+    def _refresh_stats(self) -> None:
         self._stats = self.engine.get_stats()
 
     def _observe(self, p: _Pending, out, now: float) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from glm5.infer.sampling import SamplingParams, check_token_ids
-from glm5.serve.async_engine import AsyncEngine
+from glm5.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
 from glm5.serve.config import ServerConfig
 from glm5.serve.protocol import SamplingFields
 
@@ -30,6 +30,19 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """The client-visible form of an exception from a handler or the engine (also for SSE error chunks)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDead):
+        code = "engine_failed" if str(e).startswith("engine failed") else "server_shutting_down"
+        return APIError(503, str(e), "service_unavailable", code=code)
+    if isinstance(e, RequestFailed):
+        return APIError(500, f"the engine failed on this request and aborted it ({e}); other requests are "
+                             "unaffected", "internal_server_error", code="request_failed")
+    return APIError(500, f"internal error: {type(e).__name__}", "internal_server_error", code="internal_error")
 
 
 @dataclass

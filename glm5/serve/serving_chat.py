@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 import jinja2
 from fastapi.responses import StreamingResponse
 
-from glm5.serve.common import (APIError, ServerState, chain, logprob_of, max_tokens_for, sampling_params, sse,
+from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, sampling_params, sse,
                                token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
 from glm5.serve.parsers.tool_glm import TOOL_OPEN
@@ -217,8 +217,6 @@ class _ChatJob:
                     yield sse(self._chunk(chunk))
             if self.req.stream_options and self.req.stream_options.include_usage:
                 yield sse({**self._chunk([]), "usage": self._usage()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception as e:  # engine died mid-stream: say so instead of cutting the stream
-            yield sse(APIError(500, f"{type(e).__name__}: {e}", "internal_server_error").body())
+        except Exception as e:  # noqa: BLE001 - the stream ends with an error object, then [DONE]
+            yield sse(as_api_error(e).body())
         yield sse("[DONE]")

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from glm5.serve.common import (APIError, ServerState, chain, logprob_of, max_tokens_for, merge_streams,
+from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, merge_streams,
                                prompt_token_ids, sampling_params, sse, token_str, top_entries)
 from glm5.serve.protocol import CompletionRequest, Usage, now
 
@@ -172,8 +172,6 @@ class _Job:
                     yield sse(self._chunk(choices, version))
             if self.req.stream_options and self.req.stream_options.include_usage:
                 yield sse({**self._chunk([], version), "usage": self._usage()})
-        except APIError as e:
-            yield sse(e.body())
-        except Exception as e:  # engine died mid-stream: tell the client instead of cutting the stream
-            yield sse(APIError(500, f"{type(e).__name__}: {e}", "internal_server_error").body())
+        except Exception as e:  # noqa: BLE001 - the stream ends with an error object, then [DONE]
+            yield sse(as_api_error(e).body())
         yield sse("[DONE]")

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 
-import uvicorn
+from glm5.serve.server import GracefulServer
 
 
 def free_port() -> int:
@@ -21,10 +21,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0):
+def serve_in_thread(app, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0,
+                    grace_s: float | None = None):
+    """Yields the base URL; `grace_s` (default: the app's `shutdown_timeout_s`) bounds the drain on exit."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    grace = app.state.serve.config.shutdown_timeout_s if grace_s is None else grace_s
+    server = GracefulServer(app, host, port, grace, log_level="warning")
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

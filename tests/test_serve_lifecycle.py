@@ -1,0 +1,106 @@
+"""Server lifecycle against the scripted engine: shutdown drains for the grace period, then every open
+stream ends with an error chunk and `[DONE]` (issue 16: a SIGTERM cut streams with neither); an engine
+that dies of a fault no request explains stops the server (so `glm5 serve` exits non-zero) instead of
+answering 503 forever; the messages say "engine failed" or "shutting down", whichever is true."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from glm5.serve.app import create_app
+from glm5.serve.config import ServerConfig
+from glm5.serve.server import GracefulServer
+from glm5.serve.testing import free_port
+from tests.test_serve_app import FakeEngine
+
+
+def start(app, grace_s: float) -> tuple[GracefulServer, threading.Thread, str]:
+    port = free_port()
+    server = GracefulServer(app, "127.0.0.1", port, grace_s, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def stream_lines(url: str, body: dict, lines: list, first: threading.Event) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+                first.set()
+
+
+def test_shutdown_drains_then_ends_streams_with_an_error_chunk_and_done():
+    engine = FakeEngine(step_sleep=0.1)
+    app = create_app(engine, config=ServerConfig(shutdown_timeout_s=2.0), model_name="fake")
+    server, thread, url = start(app, grace_s=2.0)
+    lines, first = [], threading.Event()
+    reader = threading.Thread(target=stream_lines, args=(url, {"prompt": "x", "max_tokens": 500}, lines, first))
+    reader.start()
+    assert first.wait(30)
+    short, short_first = [], threading.Event()
+    sender = threading.Thread(target=stream_lines, args=(url, {"prompt": "x", "max_tokens": 3}, short, short_first))
+    sender.start()
+    assert short_first.wait(30)
+    server.should_exit = True  # what SIGTERM does
+    reader.join(60)
+    sender.join(60)
+    thread.join(60)
+    assert not thread.is_alive() and not reader.is_alive()
+    assert short[-1] == "data: [DONE]" and json.loads(short[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][len("data: "):])["error"]
+    assert err["code"] == "server_shutting_down" and "grace period" in err["message"], err
+    assert len(lines) >= 3  # tokens, then the error chunk, then [DONE]
+    assert engine.aborted == [next(iter(engine.aborted))] and not engine.reqs
+
+
+def test_an_engine_fault_stops_the_server():
+    engine = FakeEngine(fail_step=True)
+    server: GracefulServer | None = None
+    app = create_app(engine, config=ServerConfig(), model_name="fake",
+                     on_engine_failure=lambda e: server.engine_failed(e))
+    server, thread, url = start(app, grace_s=1.0)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["message"].startswith("engine failed")
+    thread.join(60)
+    assert not thread.is_alive() and isinstance(server.engine_failure, RuntimeError)
+
+
+@pytest.mark.slow
+def test_cli_sigterm_ends_a_stream_with_an_error_chunk(tmp_path):
+    """`glm5 serve` as a subprocess: SIGTERM during a long stream; after `shutdown_timeout_s` the stream
+    gets an error chunk and [DONE], and the process exits."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "glm5.cli.main", "serve", "--model", "tiny", "--port", str(port),
+                             "--device=cpu", "--batch_timeout_ms=0", "--max_model_len=4096",
+                             "--shutdown_timeout_s=1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        lines, first = [], threading.Event()
+        reader = threading.Thread(target=stream_lines, args=(
+            url, {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True}, lines, first))
+        reader.start()
+        assert first.wait(60)
+        proc.terminate()
+        reader.join(60)
+        assert lines[-1] == "data: [DONE]" and "server_shutting_down" in lines[-2], lines[-3:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
