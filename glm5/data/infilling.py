@@ -15,6 +15,7 @@ Labels are aligned with the inputs (`labels[t]` is the target of position t). Pu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -82,6 +83,38 @@ class GLMSample:
         mask = np.tril(np.ones((n, n), dtype=bool))
         mask[:, : self.sep] = True
         return mask
+
+
+@dataclass(frozen=True)
+class InfillLayout:
+    """Where a blank-infilling sequence's parts sit, for one span generated at inference (training
+    samples hold several spans; `build_sample` lays each out by the same rule). Part A is sequence
+    indices [0, part_a_len) (bidirectional attention, the mask token at `span_position`); Part B starts at
+    index part_a_len with <sop> and is generated until <eop>: every Part B token has RoPE position
+    `span_position` and block position 1, 2, ... (Part A: its index and 0)."""
+
+    part_a_len: int
+    span_position: int
+    end_token_id: int  # <eop>: ends the span
+
+    def position_ids(self, start: int, end: int) -> list[int]:
+        """RoPE positions of sequence indices [start, end)."""
+        return [i if i < self.part_a_len else self.span_position for i in range(start, end)]
+
+    def block_position_ids(self, start: int, end: int) -> list[int]:
+        """GLM block (intra-span) positions of sequence indices [start, end)."""
+        return [max(i - self.part_a_len + 1, 0) for i in range(start, end)]
+
+
+def infill_prompt(prefix: list[int], suffix: list[int], ids: InfillTokens,
+                  mask: Literal["mask", "gmask"] = "mask") -> tuple[list[int], InfillLayout]:
+    """Prompt ids for generating the blank between `prefix` and `suffix`: Part A = prefix + [MASK] + suffix
+    (or prefix + [gMASK], open-ended continuation; then `suffix` must be empty), then <sop>."""
+    if mask == "gmask" and suffix:
+        raise ValueError("[gMASK] infilling continues the text: the suffix must be empty")
+    mask_id = ids.mask if mask == "mask" else ids.gmask
+    part_a = list(prefix) + [mask_id] + list(suffix)
+    return part_a + [ids.sop], InfillLayout(len(part_a), len(prefix), ids.eop)
 
 
 def poisson_span_lengths(cfg: InfillConfig) -> np.ndarray:
@@ -172,10 +205,11 @@ def build_sample(tokens: np.ndarray, spans: list[tuple[int, int]], mask_id: int,
     for k in order:
         s, e = spans[k]
         span = tokens[s:e]
+        layout = InfillLayout(0, mask_pos[k], ids.eop)  # this span's Part B, indexed from its <sop>
         inp.append(np.concatenate([[ids.sop], span]))
         lab.append(np.concatenate([span, [ids.eop]]))
-        pos.append(np.full(e - s + 1, mask_pos[k]))
-        blk.append(np.arange(1, e - s + 2))
+        pos.append(np.asarray(layout.position_ids(0, e - s + 1)))
+        blk.append(np.asarray(layout.block_position_ids(0, e - s + 1)))
     cat = lambda xs: np.concatenate(xs).astype(np.int64)  # noqa: E731
     return GLMSample(cat(inp), cat(lab), cat(pos), cat(blk), sep)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from glm5.core.resources import resolve_path
+from glm5.data.infilling import InfillLayout
 from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import cast_model, from_pretrained
 from glm5.model.kv_cache import bytes_per_token
@@ -131,7 +132,9 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, infill: InfillLayout | None = None) -> str:
+        """Queue a request. `infill` (GLM blank infilling, see `glm5.data.infilling.infill_prompt`) gives the
+        prompt's Part A / Part B layout: Part A attends bidirectionally, Part B is generated until <eop>."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if params.use_beam_search:
@@ -146,8 +149,11 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         check_token_ids("prompt_token_ids", prompt_token_ids, self.model_config.vocab_size)
         params.check_vocab(self.model_config.vocab_size)  # e.g. a stop id past the logits fails the step
+        if infill is not None and not self.model_config.block_position_embedding:
+            raise ValueError("GLM blank infilling needs a model trained for it (block_position_embedding = true "
+                             "in its config); this model is a plain causal LM")
         reqs = fan_out(request_id, list(map(int, prompt_token_ids)), params, eos_token_ids=self.eos_token_ids,
-                       prompt=prompt, cache_salt=cache_salt, device=self.config.device)
+                       prompt=prompt, cache_salt=cache_salt, device=self.config.device, infill=infill)
         for r in reqs:
             r.detokenizer = self._detokenizer(r.params)
         for i, r in enumerate(reqs):

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import time
+from array import array
 from typing import Protocol
 
 import torch
 
+from glm5.data.infilling import InfillLayout
 from glm5.infer.outputs import PositionLogprobs, RequestMetrics
 from glm5.infer.sampling import SamplingParams, SamplingRow
 
@@ -48,13 +51,24 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                  *, eos_token_ids=(), prompt: str | None = None, cache_salt: str | None = None,
                  detokenizer: Detokenizer | None = None, arrival_time: float | None = None,
-                 parent_id: str | None = None, index: int = 0, device: str | torch.device = "cpu"):
+                 parent_id: str | None = None, index: int = 0, device: str | torch.device = "cpu",
+                 infill: InfillLayout | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params or SamplingParams()
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_salt = cache_salt  # mixed into the first block hash: isolates tenants' caches
+        # GLM blank infilling: Part A is bidirectional, so its KV depends on all of Part A; the runner takes
+        # positions from the layout and the scheduler computes Part A in one chunk.
+        self.infill = infill
+        if infill is not None:
+            if not 0 < infill.part_a_len < len(self.prompt_token_ids):
+                raise ValueError(f"request {request_id!r}: infill Part A ({infill.part_a_len} tokens) must be a "
+                                 f"proper prefix of the {len(self.prompt_token_ids)}-token prompt")
+            digest = hashlib.blake2b(array("q", self.prompt_token_ids[:infill.part_a_len]).tobytes(),
+                                     digest_size=16).hexdigest()
+            self.cache_salt = f"{cache_salt or ''}|infill:{infill.part_a_len}:{infill.span_position}:{digest}"
         self.parent_id, self.index = parent_id, index  # child `index` of a request with n > 1
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -101,7 +115,8 @@ class Request:
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end generation: EOS (unless ignore_eos) and stop_token_ids."""
         eos = () if self.params.ignore_eos else self.eos_token_ids
-        return eos + tuple(self.params.stop_token_ids)
+        span_end = (self.infill.end_token_id,) if self.infill is not None else ()  # <eop> always ends a span
+        return eos + span_end + tuple(self.params.stop_token_ids)
 
     def append_output_token_ids(self, token_ids: list[int]) -> str:
         """Append sampled tokens; detokenize them; return the new text (empty without a detokenizer)."""

@@ -89,7 +89,13 @@ class ModelRunner:
     def _chunk(self, s: ScheduledRequest) -> SeqChunk:
         req = s.request
         tokens = (req.all_token_ids + s.spec_token_ids)[s.start:s.start + s.num_tokens]
-        return SeqChunk(req.request_id, s.start, tokens, req.block_ids)
+        chunk = SeqChunk(req.request_id, s.start, tokens, req.block_ids)
+        if req.infill is not None:  # GLM blank infilling: 2D positions, bidirectional Part A
+            end = s.start + s.num_tokens
+            chunk.position_ids = req.infill.position_ids(s.start, end)
+            chunk.block_position_ids = req.infill.block_position_ids(s.start, end)
+            chunk.prefix_len = req.infill.part_a_len
+        return chunk
 
     @staticmethod
     def _logit_rows(out: ScheduleOutput, meta: AttnMetadata) -> _Rows:

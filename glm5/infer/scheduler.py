@@ -151,6 +151,12 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 self.waiting.appendleft(req)
                 break
+            whole = self._unsplittable(req, computed.num_tokens)
+            if whole > budget:
+                if scheduled or budget < self.config.max_num_batched_tokens:
+                    self.waiting.appendleft(req)  # next step, with the whole budget
+                    break
+                budget = whole  # alone in a step: a bidirectional Part A may exceed the token budget
             num_new = min(num_new, budget)
             if self.block_manager.allocate_slots(req, num_new, computed, self.config.speculative_num_tokens) is None:
                 self.waiting.appendleft(req)
@@ -161,6 +167,14 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, []
         return ScheduleOutput(scheduled, preempted, finished)
+
+    @staticmethod
+    def _unsplittable(req: Request, num_computed: int) -> int:
+        """Tokens that must be computed in this request's next chunk: the rest of a blank-infilling Part A
+        (bidirectional, so every Part A token must see all of Part A in one forward)."""
+        if req.infill is None:
+            return 0
+        return max(req.infill.part_a_len - num_computed, 0)
 
     def _num_new_tokens(self, req: Request, budget: int) -> tuple[int, int]:
         """Tokens to compute for a running request this step, and how many of them are drafts."""
@@ -253,7 +267,9 @@ class Scheduler:
         if req.num_output_tokens >= p.min_tokens:
             if token in req.stop_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = None if token in req.eos_token_ids and not p.ignore_eos else token
+                ends = token in req.eos_token_ids and not p.ignore_eos
+                ends |= req.infill is not None and token == req.infill.end_token_id  # <eop>: the span is done
+                req.stop_reason = None if ends else token
                 return True
             hit = check_stop_strings(req.output_text, num_new_chars, p.stop, p.include_stop_str_in_output)
             if p.stop and hit is not None:

@@ -150,9 +150,10 @@ class GLM5ForCausalLM(nn.Module):
                 attn_metadata: AttnMetadata | None = None, kv_cache: LatentKVCache | None = None) -> ModelOutput:
         """input_ids [B, T]; position_ids [B, T] (default arange); segment_ids [B, T] (packed documents);
         attention_mask [B, T, T] bool (True = may attend; replaces causal order, e.g. blank infilling) or
-        [B, T] 0/1 padding mask; block_position_ids [B, T] (GLM 2D positions). With return_mtp, also MTP
-        logits where position t predicts token t+2 from h_t and token t+1 (`mtp_input_ids`, default
-        input_ids shifted left by one). Losses live in glm5.train, not here.
+        [B, T] 0/1 padding mask; block_position_ids [B, T] (GLM 2D positions; with a block-position table,
+        absent ids mean 0, so causal text, Part A and the engine all see the same embedding). With
+        return_mtp, also MTP logits where position t predicts token t+2 from h_t and token t+1
+        (`mtp_input_ids`, default input_ids shifted left by one). Losses live in glm5.train, not here.
 
         Paged (the engine): input_ids [1, N] are the flat tokens described by `attn_metadata`, whose KV rows
         are written into `kv_cache` and attended there; positions and block positions default to the
@@ -165,9 +166,11 @@ class GLM5ForCausalLM(nn.Module):
                 block_position_ids = attn_metadata.block_position_ids[None]
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)
-        if block_position_ids is not None:
-            if not cfg.block_position_embedding:
-                raise ValueError("block_position_ids given but the config has block_position_embedding = false")
+        if block_position_ids is not None and not cfg.block_position_embedding:
+            raise ValueError("block_position_ids given but the config has block_position_embedding = false")
+        if cfg.block_position_embedding:  # one rule everywhere: absent ids mean block position 0
+            if block_position_ids is None:
+                block_position_ids = torch.zeros_like(input_ids)
             x = x + self.model.block_position_embeddings(block_position_ids)
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None].expand(B, -1)
