@@ -42,7 +42,7 @@ class FakeEngine:
         self.model_version, self.step_sleep, self.fail_step = 0, step_sleep, fail_step
         self.reqs, self.aborted, self.batch_sizes, self.swaps = {}, [], [], []
 
-    def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None):
+    def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None, infill=None):
         assert request_id not in self.reqs
         self.reqs[request_id] = (list(prompt_token_ids), params, [[] for _ in range(params.n)])
 

@@ -13,9 +13,12 @@ beat the worst kept hypothesis; "never" scores it at max length when length_pena
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
+
+from .outputs import CompletionOutput, RequestOutput
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -78,3 +81,26 @@ class BeamSearch:
     def results(self, num: int | None = None) -> list[Beam]:
         """The best finished hypotheses, best first."""
         return self.finished[: num or self.width]
+
+    # ---- driving it: the same two calls for `LLM.beam_search` and the server ---------------------------
+    def step_params(self) -> SamplingParams:
+        """Params of the one-token request run for each live beam: greedy, top logprobs enough to rank."""
+        k = max(2, 1 + len(self.eos_token_ids)) * self.width
+        return SamplingParams(temperature=0, max_tokens=1, logprobs=k, ignore_eos=True)
+
+    def step_outputs(self, outs: list[RequestOutput], vocab_size: int) -> None:
+        """`step` from the finished one-token requests of the live beams (in `beams` order)."""
+        rows = torch.full((len(outs), vocab_size), float("-inf"))
+        for r, o in enumerate(outs):
+            for tok, lp in o.outputs[0].logprobs[0].items():
+                rows[r, tok] = lp.logprob
+        self.step(rows)
+
+    def completions(self, num: int | None, decode: Callable[[list[int]], str] | None) -> list[CompletionOutput]:
+        """The best `num` hypotheses as completion outputs ("stop" when they end in EOS, else "length")."""
+        outs = []
+        for i, b in enumerate(self.results(num)):
+            text = decode(b.token_ids) if decode else ""
+            reason = "stop" if b.token_ids and b.token_ids[-1] in self.eos_token_ids else "length"
+            outs.append(CompletionOutput(i, text, b.token_ids, b.sum_logprob, None, reason))
+        return outs

@@ -20,7 +20,7 @@ import torch
 from .beam_search import BeamSearch
 from .config import EngineConfig
 from .engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput
 from .sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -115,19 +115,10 @@ class LLM:
         eos = () if params.ignore_eos else self.engine.eos_token_ids
         search = BeamSearch(params.beam_width, params.max_tokens or 16, eos, params.length_penalty,
                             params.early_stopping)
-        k = max(2, 1 + len(search.eos_token_ids)) * params.beam_width  # enough candidates per beam
-        step = SamplingParams(temperature=0, max_tokens=1, logprobs=k, ignore_eos=True)
-        vocab = self.engine.model_config.vocab_size
         while not search.done:
-            outs = self.generate([ids + b.token_ids for b in search.beams], step)
-            rows = torch.full((len(outs), vocab), float("-inf"))
-            for r, o in enumerate(outs):
-                for tok, lp in o.outputs[0].logprobs[0].items():
-                    rows[r, tok] = lp.logprob
-            search.step(rows)
-        comps = []
-        for i, b in enumerate(search.results()):
-            text = self.tokenizer.decode(b.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-            comps.append(CompletionOutput(i, text, b.token_ids, b.sum_logprob, None, "stop"))
+            outs = self.generate([ids + b.token_ids for b in search.beams], search.step_params())
+            search.step_outputs(outs, self.engine.model_config.vocab_size)
+        decode = (lambda t: self.tokenizer.decode(t, skip_special_tokens=True)) if self.tokenizer else None
         return RequestOutput(f"beam-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids,
-                             outputs=comps, finished=True, model_version=self.engine.model_version)
+                             outputs=search.completions(None, decode), finished=True,
+                             model_version=self.engine.model_version)

@@ -1,9 +1,10 @@
 """The FastAPI application: routes, auth, body bounds, OpenAI error objects, request ids, model versions.
 
 `create_app(engine, tokenizer, config)` wraps a synchronous `LLMEngine` (driven by `AsyncEngine` in one
-background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
-`/metrics`, `/tokenize`, `/detokenize` and the expert hot-swap admin routes. Every client mistake maps to
-a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500 means a server bug.
+background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/infill` (llama.cpp's code
+completion), `/v1/models`, `/health`, `/metrics`, `/tokenize`, `/detokenize` and the expert hot-swap admin
+routes. Every client mistake maps to a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500
+means a server bug.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, Request
 from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.config import ServerConfig
 from glm5.serve.metrics import ServerMetrics
-from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                 now)
+from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
+                                 TokenizeRequest, now)
 from glm5.serve.serving_chat import create_chat_completion, render_prompt
 from glm5.serve.serving_completion import create_completion
+from glm5.serve.serving_infill import create_infill
 from glm5.serve.validation import check_body_text
 
 
@@ -87,7 +89,7 @@ class Gatekeeper:
                 raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
                                "permission_error", code="admin_disabled")
             _check_bearer(authorization, cfg.admin_key, "admin key")
-        elif path.startswith(("/v1/", "/tokenize", "/detokenize")):
+        elif path.startswith(("/v1/", "/tokenize", "/detokenize", "/infill")):
             _check_bearer(authorization, cfg.api_key, "API key")
 
     async def _read_body(self, scope, receive, headers) -> bytes | None:
@@ -226,6 +228,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(request, body, create_chat_completion(state, body, f"chatcmpl-{uuid.uuid4().hex}"))
+
+    @app.post("/infill")
+    async def infill(body: InfillRequest, request: Request):  # llama.cpp's code-completion route
+        return await respond(request, body, create_infill(state, body, f"infill-{uuid.uuid4().hex}"))
 
     _install_info_routes(app, state)
     _install_admin_routes(app, state)

@@ -55,6 +55,7 @@ class _Pending:
     params: Any
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    infill: Any = None  # glm5.data.infilling.InfillLayout of a GLM blank-infilling request
     arrival: float = field(default_factory=time.monotonic)
     admitted: float = 0.0
     last_token_time: float = 0.0
@@ -118,14 +119,16 @@ class AsyncEngine:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params) -> AsyncIterator[Any]:
-        """Yield the engine's `RequestOutput`s for one request; abort it if the consumer goes away."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
+                       infill=None) -> AsyncIterator[Any]:
+        """Yield the engine's `RequestOutput`s for one request; abort it if the consumer goes away.
+        `infill`: the GLM blank-infilling layout of the prompt (see `LLMEngine.add_request`)."""
         reason = self.unavailable_reason()
         if reason is not None:
             raise EngineDead(reason)
         if self.num_waiting() >= self.max_waiting_requests:
             raise Overloaded(f"{self.num_waiting()} requests are waiting")
-        p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop())
+        p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop(), infill)
         with self._count_lock:
             self._num_submitted += 1
         self._commands.put(("add", p))
@@ -273,7 +276,8 @@ class AsyncEngine:
         while self._backlog and len(self._active) < self.max_batch_size:
             p = self._backlog.popleft()
             try:
-                self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params)
+                self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params,
+                                        infill=p.infill)
             except (ValueError, TypeError) as e:  # the engine rejected this request: the client's 400
                 self._send(p, e)
                 continue

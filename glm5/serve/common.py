@@ -81,8 +81,13 @@ def max_tokens_for(state: ServerState, req: SamplingFields, prompt_len: int, req
 def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int, **extra) -> SamplingParams:
     """OpenAI/vLLM request fields -> `SamplingParams`; a value the engine rejects (including a token id
     outside the vocabulary) is a 400 naming the field."""
+    beam = req.use_beam_search
+    temperature = (0.0 if beam else 1.0) if req.temperature is None else req.temperature
     kwargs = dict(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+        n=1 if beam else req.n, temperature=temperature, use_beam_search=beam,
+        beam_width=(req.beam_width or req.n) if beam else 1, length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
+        temperature_schedule=tuple(req.temperature_schedule) if req.temperature_schedule else None,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
         seed=req.seed, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
@@ -91,6 +96,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int, **ext
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens)
     kwargs.update(extra)
+    if beam and req.n > kwargs["beam_width"]:
+        raise APIError(400, f"n: {req.n} best beams need beam_width >= n, got {kwargs['beam_width']}", param="n")
     try:
         params = SamplingParams(**kwargs)
         params.check_vocab(vocab_size)

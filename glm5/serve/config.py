@@ -25,6 +25,10 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0  # on SIGTERM: running requests get this long, then end with an error
     tool_parser: Literal["glm47", "glm45", ""] = "glm47"  # GLM XML tool calls (both alike; "" = off)
     reasoning_parser: Literal["glm45", ""] = "glm45"  # `<think>` -> reasoning_content ("" = off)
+    # /infill and `suffix`: "auto" = sentinel FIM (suffix first) when the tokenizer has FIM tokens, else GLM
+    # blank infilling on a model trained for it; "psm" = prefix-suffix-middle order
+    infill_format: Literal["auto", "glm", "spm", "psm"] = "auto"
+    infill_truncate: bool = True  # too long prefix/suffix: cut the far ends (reported) instead of a 400
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

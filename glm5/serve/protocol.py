@@ -56,6 +56,12 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's beam search (`n` best beams of `beam_width`, HF semantics) and glm5's temperature decay
+    use_beam_search: bool = False
+    beam_width: int | None = Field(default=None, ge=1, le=64)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
+    early_stopping: bool | Literal["never"] = False
+    temperature_schedule: list[float] | None = Field(default=None, min_length=2, max_length=2)
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -78,8 +84,8 @@ class CompletionRequest(SamplingFields):
     def _check_prompt(self):
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt: must not be empty")
-        if self.suffix:
-            raise ValueError("suffix: not supported")
+        if self.suffix is not None and self.echo:
+            raise ValueError("suffix: cannot be combined with echo")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -90,6 +96,41 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+class InfillExtra(OpenAIModel):
+    filename: str = ""
+    text: str
+
+
+class InfillRequest(OpenAIModel):
+    """llama.cpp server's `/infill` body (what llama.vim / llama.vscode send): the gap between
+    `input_prefix` and `input_suffix`, other files in `input_extra`, and `/completion`'s options."""
+
+    model: str | None = None
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillExtra] = Field(default_factory=list, max_length=1024)
+    prompt: str = ""  # what the middle starts with (the current line typed so far)
+    n_predict: int = Field(default=-1, ge=-1)
+    temperature: float = Field(default=0.8, ge=0.0, le=100.0)
+    top_k: int = Field(default=40, ge=-1)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int = Field(default=-1, ge=-1, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    ignore_eos: bool = False
+    stream: bool = False
+    n_indent: int = Field(default=0, ge=0)  # stop at a line indented less than this (once one is complete)
+    t_max_predict_ms: int = Field(default=0, ge=0)  # stop after a newline once this much time has passed
+    return_tokens: bool = False
+    use_beam_search: bool = False
+    beam_width: int = Field(default=1, ge=1, le=64)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
+    temperature_schedule: list[float] | None = Field(default=None, min_length=2, max_length=2)
 
 
 class FunctionDef(OpenAIModel):

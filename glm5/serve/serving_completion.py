@@ -1,5 +1,6 @@
 """`/v1/completions`: text or token-id prompts, `n`, `echo` with prompt logprobs (lm-eval's loglikelihood
-path), `logprobs` (top-N per token), SSE streaming with an optional final usage chunk.
+path), `logprobs` (top-N per token), SSE streaming with an optional final usage chunk, `suffix` (OpenAI's
+insert mode: the model fills the gap, see serving_infill.py) and vLLM's `use_beam_search`.
 
 Choice `i` of prompt `p` has index `p * n + i`, as in OpenAI. `max_tokens=0` with `echo` scores the prompt
 only (one token is generated and dropped, since the engine always generates at least one).
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from glm5.infer.infill import InfillPrompt
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, merge_streams,
                                prompt_token_ids, sampling_params, sse, token_str, top_entries)
 from glm5.serve.protocol import CompletionRequest, Usage, now
+from glm5.serve.serving_infill import beam_generate, infill_prompt_for, truncation_header
 
 
 def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
@@ -51,10 +54,11 @@ def _merge_logprobs(a: dict | None, b: dict) -> dict:
 
 async def create_completion(state: ServerState, req: CompletionRequest, request_id: str):
     state.check_model(req.model)
-    prompts = [_prompt_ids(state, p) for p in req.prompts()]
     echo_only = req.max_tokens == 0
     if echo_only and not req.echo:
         raise APIError(400, "max_tokens: must be >= 1 unless echo=true", param="max_tokens")
+    infills = _infill_prompts(state, req) if req.suffix is not None else None
+    prompts = [ip.token_ids for ip in infills] if infills else [_prompt_ids(state, p) for p in req.prompts()]
     max_tokens = [max_tokens_for(state, req, len(ids), 1 if echo_only else req.max_tokens) for ids in prompts]
     extra: dict[str, Any] = {}
     if req.logprobs is not None:
@@ -62,15 +66,37 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
         if req.echo:
             extra["prompt_logprobs"] = req.logprobs
     params = [sampling_params(req, mt, state.vocab_size, **extra) for mt in max_tokens]
-    streams = [state.async_engine.generate(f"{request_id}-{i}", ids, p)
-               for i, (ids, p) in enumerate(zip(prompts, params))]
+    layouts = [ip.layout for ip in infills] if infills else [None] * len(prompts)
+    streams = [_generate(state, f"{request_id}-{i}", ids, p, layout, req.n)
+               for i, (ids, p, layout) in enumerate(zip(prompts, params, layouts))]
     merged = merge_streams(streams)
     job = _Job(state, req, request_id, prompts, echo_only)
     first = await _first(merged)  # admission errors surface here, before any byte is sent
+    headers = truncation_header(infills[0]) if infills and len(infills) == 1 else {}
     if req.stream:
         return StreamingResponse(job.stream(first, merged), media_type="text/event-stream",
-                                 headers={"X-Model-Version": str(job.version(first))})
-    return await job.collect(first, merged)
+                                 headers={"X-Model-Version": str(job.version(first)), **headers})
+    body = await job.collect(first, merged)
+    return JSONResponse(body, headers={"X-Model-Version": str(body.pop("_model_version")), **headers}) \
+        if headers else body
+
+
+def _infill_prompts(state: ServerState, req: CompletionRequest) -> list[InfillPrompt]:
+    """OpenAI insert mode: each (text) prompt is the prefix, `suffix` what follows the gap."""
+    texts = req.prompts()
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "suffix: needs text prompts (not token ids)", param="suffix")
+    mt = req.max_tokens or min(state.config.default_max_tokens, state.max_model_len // 2)
+    return [infill_prompt_for(state, t, req.suffix, mt) for t in texts]
+
+
+async def _generate(state: ServerState, request_id: str, ids: list[int], params, infill, n: int):
+    """The engine's outputs for one prompt: streamed, or (beam search) one final output with the n best."""
+    if params.use_beam_search:
+        yield await beam_generate(state, request_id, ids, params, infill, num=n)
+        return
+    async for out in state.async_engine.generate(request_id, ids, params, infill=infill):
+        yield out
 
 
 async def _first(merged: AsyncIterator):
