@@ -178,3 +178,20 @@ def test_code_stop_rules():
     import time
     time.sleep(0.01)
     assert timed.cut("ab\ncd") == 3 and timed.cut("abcd") is None
+
+
+def test_llm_infill_and_cli(model, tmp_path, capsys):
+    from glm5.cli.generate import main as generate_main
+    from glm5.model.hf_adapter import save_pretrained
+    llm = LLM("tiny", model_obj=model, tokenizer=TOK, device="cpu", max_model_len=MAX_LEN)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    out = llm.infill(PREFIX, SUFFIX, params)
+    assert out.outputs[0].text == expected_text(model, PREFIX, SUFFIX, 6)
+    beams = llm.infill(PREFIX, SUFFIX, SamplingParams(temperature=0, max_tokens=3, use_beam_search=True,
+                                                      beam_width=2))
+    assert len(beams.outputs) == 2 and beams.outputs[0].token_ids
+    save_pretrained(model, tmp_path)
+    TOK.save(tmp_path)
+    assert generate_main(["--model", str(tmp_path), "--prompt", PREFIX, "--suffix", SUFFIX, "--temperature", "0",
+                          "--max-tokens", "6", "--device", "cpu", "--max-model-len", str(MAX_LEN)]) == 0
+    assert capsys.readouterr().out == out.outputs[0].text + "\n"

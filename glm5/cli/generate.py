@@ -3,6 +3,9 @@
     glm5 generate --model tiny --prompt "Hello" --max-tokens 32 --temperature 0.7 --seed 1
     glm5 generate --model runs/ckpt --prompt "a" --prompt "b"          # several prompts, one batch
     glm5 generate --model runs/ckpt --interactive                      # chat with the chat template
+    glm5 generate --model runs/code --prompt "def f(x):" --suffix "    return y" --temperature 0   # infill
+    glm5 generate --model runs/code --prompt "import" --beam-width 4                # beam search
+    glm5 generate --model runs/code --prompt "def" --temperature-schedule 0.8 0.2 # decaying temperature
 
 Streams the completion of a single prompt as it is generated. Engine options (`--quantization int8`,
 `--speculative-num-tokens 2`, `--max-model-len`, `--device`) go to `EngineConfig`.
@@ -25,6 +28,15 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--temperature-schedule", type=float, nargs=2, metavar=("START", "END"), default=None,
+                   help="temperature decaying linearly over --max-tokens (code: 0.8 0.2)")
+    p.add_argument("--beam-width", type=int, default=1, help="> 1: beam search (HF semantics), best beam shown")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam score = logprob / length ** this")
+    p.add_argument("--early-stopping", choices=["true", "false", "never"], default="false",
+                   help="beam search stopping rule (HF semantics)")
+    p.add_argument("--suffix", default=None, help="fill the gap between --prompt (prefix) and this text")
+    p.add_argument("--infill-format", choices=["auto", "glm", "spm", "psm"], default="auto",
+                   help="infill prompt format (auto: FIM tokens if the tokenizer has them, else GLM [MASK])")
     p.add_argument("--quantization", choices=["int8"], default=None, help="weight-only INT8")
     p.add_argument("--speculative-num-tokens", type=int, default=0, help="MTP draft tokens per step")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
@@ -45,13 +57,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.device:
         opts["device"] = args.device
     llm = LLM(args.model, **opts)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    beam = args.beam_width > 1
+    stopping = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if beam else args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, use_beam_search=beam,
+                            beam_width=args.beam_width, length_penalty=args.length_penalty,
+                            early_stopping=stopping,
+                            temperature_schedule=tuple(args.temperature_schedule) if args.temperature_schedule
+                            else None)
     if llm.tokenizer is None:
         print("glm5 generate: this model has no tokenizer (text prompts need one)", file=sys.stderr)
         return 2
     if args.interactive:
         return chat(llm, params, args.system)
+    if args.suffix is not None:
+        for prompt in args.prompt:
+            out = llm.infill(prompt, args.suffix, params, format=args.infill_format)
+            print(f"{prompt}\033[1m{out.outputs[0].text}\033[0m{args.suffix}" if sys.stdout.isatty()
+                  else out.outputs[0].text)
+        return 0
+    if beam:
+        for prompt, out in zip(args.prompt, llm.beam_search(args.prompt, params)):
+            print(f"=== {prompt!r} (best of {args.beam_width} beams)\n{out.outputs[0].text}")
+        return 0
     if len(args.prompt) == 1:
         stream(llm, args.prompt[0], params)
         return 0

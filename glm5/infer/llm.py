@@ -14,12 +14,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
+
+from glm5.data.infilling import InfillLayout
 
 from .beam_search import BeamSearch
 from .config import EngineConfig
 from .engine import LLMEngine
+from .infill import InfillFormat, build_infill, choose_format
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -47,7 +51,7 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _submit(self, prompts, sampling_params) -> list[str]:
+    def _submit(self, prompts, sampling_params, infill: InfillLayout | None = None) -> list[str]:
         prompts = self._as_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -58,7 +62,7 @@ class LLM:
             if isinstance(p, str):
                 self.engine.add_request(rid, prompt=p, params=sp or SamplingParams())
             else:
-                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp or SamplingParams())
+                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp or SamplingParams(), infill=infill)
             ids.append(rid)
         return ids
 
@@ -66,7 +70,10 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Outputs in prompt order (each finished)."""
-        ids = self._submit(prompts, sampling_params)
+        return self._generate(prompts, sampling_params)
+
+    def _generate(self, prompts, sampling_params, infill: InfillLayout | None = None) -> list[RequestOutput]:
+        ids = self._submit(prompts, sampling_params, infill)
         done: dict[str, RequestOutput] = {}
         for out in self._drain(set(ids)):
             if out.finished:
@@ -102,6 +109,22 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kw)
         return self.generate([list(ids)], sampling_params)[0]
 
+    def infill(self, prefix: str, suffix: str, sampling_params: SamplingParams | None = None, *,
+               extra: list[tuple[str, str]] = (), format: InfillFormat | Literal["auto"] = "auto",
+               truncate: bool = True) -> RequestOutput:
+        """Fill the gap between `prefix` and `suffix` (code completion; see glm5/infer/infill.py for the
+        GLM blank-infilling and sentinel-FIM formats). `extra`: (filename, text) context files. Beam
+        search when `sampling_params.use_beam_search`."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: infilling needs one")
+        params = sampling_params or SamplingParams()
+        fmt = choose_format(self.tokenizer, self.engine.model_config.block_position_embedding, format)
+        room = self.engine.config.max_model_len - (params.max_tokens or self.engine.config.max_model_len // 2)
+        ip = build_infill(self.tokenizer, fmt, prefix, suffix, room=room, extra=list(extra), truncate=truncate)
+        if params.use_beam_search:
+            return self._beam_one(None, ip.token_ids, params, ip.layout)
+        return self._generate([ip.token_ids], params, ip.layout)[0]
+
     # ---- beam search ----------------------------------------------------------------------------
     def beam_search(self, prompts, params: SamplingParams) -> list[RequestOutput]:
         """HF-semantics beam search (`params.beam_width`, `length_penalty`, `early_stopping`)."""
@@ -111,12 +134,15 @@ class LLM:
             results.append(self._beam_one(prompt, ids, params))
         return results
 
-    def _beam_one(self, prompt, ids: list[int], params: SamplingParams) -> RequestOutput:
+    def _beam_one(self, prompt, ids: list[int], params: SamplingParams,
+                  infill: InfillLayout | None = None) -> RequestOutput:
         eos = () if params.ignore_eos else self.engine.eos_token_ids
+        if infill is not None:
+            eos = (*eos, infill.end_token_id)
         search = BeamSearch(params.beam_width, params.max_tokens or 16, eos, params.length_penalty,
                             params.early_stopping)
         while not search.done:
-            outs = self.generate([ids + b.token_ids for b in search.beams], search.step_params())
+            outs = self._generate([ids + b.token_ids for b in search.beams], search.step_params(), infill)
             search.step_outputs(outs, self.engine.model_config.vocab_size)
         decode = (lambda t: self.tokenizer.decode(t, skip_special_tokens=True)) if self.tokenizer else None
         return RequestOutput(f"beam-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids,
