@@ -22,7 +22,7 @@ from glm5.infer.beam_search import BeamSearch
 from glm5.infer.infill import InfillError, InfillPrompt, build_infill, choose_format
 from glm5.infer.outputs import RequestOutput
 from glm5.infer.sampling import SamplingParams
-from glm5.serve.common import APIError, ServerState, sse
+from glm5.serve.common import APIError, ServerState, as_api_error, sse
 
 
 def infill_prompt_for(state: ServerState, prefix: str, suffix: str, max_tokens: int,
@@ -221,9 +221,7 @@ async def _sse(job: _InfillJob, first: RequestOutput, stream: AsyncIterator) -> 
             if done:
                 break
         yield sse({**job.final(), "content": ""})
-    except APIError as e:
-        yield sse(e.body())
     except Exception as e:  # noqa: BLE001 - the engine failed mid-stream: tell the client
-        yield sse(APIError(500, f"{type(e).__name__}: {e}", "internal_server_error").body())
+        yield sse(as_api_error(e).body())
     finally:
         await stream.aclose()
