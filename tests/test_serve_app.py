@@ -22,6 +22,7 @@ from glm5.serve.async_engine import AsyncEngine, EngineDead
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.config import ServerConfig
 from glm5.serve.testing import serve_in_thread
+from glm5.model.generation_config import GenerationConfig
 from tests._tiny import tiny_config
 
 TOK = load_tokenizer("bundled:tokenizer-8k")
@@ -39,6 +40,8 @@ class FakeEngine:
         self.config = EngineConfig(model="fake", device="cpu", dtype="float32",
                                    **{"max_model_len": 512, "batch_timeout_ms": 0, **cfg})
         self.model_config = tiny_config()
+        self.generation_config = GenerationConfig.from_model_config(self.model_config)
+        self.max_model_len = self.config.max_model_len
         self.model_version, self.step_sleep, self.fail_step = 0, step_sleep, fail_step
         self.reqs, self.aborted, self.batch_sizes, self.swaps = {}, [], [], []
 

@@ -39,7 +39,8 @@ def parse_args(argv):
                    help="infill prompt format (auto: FIM tokens if the tokenizer has them, else GLM [MASK])")
     p.add_argument("--quantization", choices=["int8"], default=None, help="weight-only INT8")
     p.add_argument("--speculative-num-tokens", type=int, default=0, help="MTP draft tokens per step")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per request")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--max-session-len", type=int, default=None, help="--interactive: history token limit")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     return p.parse_args(argv)

@@ -1,16 +1,20 @@
-"""GLM tokenizer: a byte-level BPE (`tokenizers`) plus GLM's special tokens and chat template.
+"""Tokenizer: any HF `tokenizer.json` (`tokenizers`), plus GLM's special tokens and chat template when present.
 
 Owns loading and saving HF tokenizer directories (`tokenizer.json` + `tokenizer_config.json` +
 `chat_template.jinja`), encoding/decoding, the chat template (rendered with jinja2 exactly as
 `transformers` renders it, see `chat_template.py`), and `IncrementalDetokenizer` for streaming output.
-It loads our own tokenizers and real GLM-4.5/GLM-5 `tokenizer.json` files alike; it never imports
-`transformers`. Training lives in `tokenizer_cli.py` (`glm5 data tokenizer`).
+It loads our own tokenizers, real GLM-4.5/GLM-5 files and third-party ones (GPT-2/Llama-style byte-level
+BPE, SentencePiece-style byte fallback) alike; it never imports `transformers`. Completions need nothing
+GLM-specific: EOS and PAD come from `tokenizer_config.json`. GLM's special tokens are needed only by the
+features built on them (the default chat template, tool calls, blank infilling); `require` raises
+`MissingSpecialTokens` naming what is absent. Training lives in `tokenizer_cli.py` (`glm5 data tokenizer`).
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -32,6 +36,23 @@ SPECIAL_TOKENS = (
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 PAD_TOKEN = "<|endoftext|>"
 PREFIX_TOKENS = ("[gMASK]", "<sop>")  # GLM prompt prefix (chat template, `add_special_tokens=True`)
+# What each GLM feature needs from the vocabulary.
+FEATURE_TOKENS = {
+    "the default GLM chat template": (*PREFIX_TOKENS, "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+                                      "<think>", "</think>"),
+    "tool calls": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "blank infilling": ("[MASK]", "[sMASK]", "[gMASK]", "<sop>", "<eop>"),
+}
+CHAT = "the default GLM chat template"
+
+
+class MissingSpecialTokens(ValueError):
+    """A GLM feature was asked of a tokenizer without the special tokens it needs (names them)."""
+
+    def __init__(self, feature: str, missing: list[str], hint: str = ""):
+        self.feature, self.missing = feature, list(missing)
+        super().__init__(f"{feature} needs GLM special tokens {self.missing}, which this tokenizer lacks"
+                         f"{hint}; plain completions still work")
 
 
 def check_encodable(text: str, name: str = "text") -> None:
@@ -47,23 +68,45 @@ def check_encodable(text: str, name: str = "text") -> None:
 
 
 class GLMTokenizer:
-    """A loaded tokenizer: `tokenizers.Tokenizer` + special-token ids + chat template."""
+    """A loaded tokenizer: `tokenizers.Tokenizer` + special-token ids + chat template (None: no chat)."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, config: dict | None = None):
         self.tok = tokenizer
-        self.chat_template = chat_template or ct.default_chat_template()
         self.config = dict(config or {})
         vocab = tokenizer.get_vocab(with_added_tokens=True)
-        self.special_tokens = {t: vocab[t] for t in SPECIAL_TOKENS if t in vocab}
-        missing = [t for t in (*EOS_TOKENS, *PREFIX_TOKENS) if t not in self.special_tokens]
-        if missing:
-            raise ValueError(f"tokenizer lacks GLM special tokens {missing}")
-        self.eos_token_ids = [self.special_tokens[t] for t in EOS_TOKENS]
-        self.eos_token_id = self.eos_token_ids[0]
-        self.pad_token_id = self.special_tokens[PAD_TOKEN]
+        self.special_tokens = {t: vocab[t] for t in SPECIAL_TOKENS if t in vocab}  # the GLM ones present
+        # The tokenizer's own template, else GLM's default when the vocabulary has GLM's chat tokens.
+        self.chat_template = chat_template or (ct.default_chat_template() if not self.missing(CHAT) else None)
+        self.eos_token_ids = self._eos_ids(vocab)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        pad = _token_text(self.config.get("pad_token")) or (PAD_TOKEN if PAD_TOKEN in vocab else None)
+        self.pad_token_id = vocab.get(pad, self.eos_token_id) if pad else self.eos_token_id
         # Every token the tokenizer itself marks special (a real GLM file also has image/audio tokens).
         self.all_special_ids = {a.content: i for i, a in tokenizer.get_added_tokens_decoder().items()
                                 if a.special}
+
+    def _eos_ids(self, vocab: dict[str, int]) -> list[int]:
+        """`tokenizer_config.json`'s eos_token, then GLM's turn-ending tokens when this is a GLM vocabulary."""
+        names = [_token_text(self.config.get("eos_token"))]
+        if not self.missing(CHAT):
+            names += EOS_TOKENS
+        return list(dict.fromkeys(vocab[n] for n in names if n in vocab))
+
+    def missing(self, feature: str) -> list[str]:
+        """The GLM special tokens `feature` (a key of FEATURE_TOKENS) needs that this vocabulary lacks."""
+        return [t for t in FEATURE_TOKENS[feature] if t not in self.special_tokens]
+
+    def require(self, feature: str) -> None:
+        """Raise `MissingSpecialTokens` unless the vocabulary has what `feature` needs."""
+        missing = self.missing(feature)
+        if missing:
+            raise MissingSpecialTokens(feature, missing)
+
+    def _template(self) -> str:
+        if self.chat_template is None:
+            raise MissingSpecialTokens("chat", self.missing(CHAT), " (and it has no chat template of its own: no "
+                                       "chat_template.jinja, no tokenizer_config.json 'chat_template')")
+        return self.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -97,7 +140,7 @@ class GLMTokenizer:
                             enable_thinking: bool = True, tokenize: bool = True, **kwargs):
         """Render a conversation (OpenAI-style dicts) with the chat template; ids, or the text when
         `tokenize=False`. Extra kwargs (e.g. `clear_thinking=False`) go to the template."""
-        text = ct.render(self.chat_template, messages, tools=tools,
+        text = ct.render(self._template(), messages, tools=tools,
                          add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
                          **kwargs)
         return self.encode(text) if tokenize else text
@@ -106,7 +149,7 @@ class GLMTokenizer:
         """SFT encoding: (ids, loss_mask). The mask is 1 on what the assistant generates (its
         `{% generation %}` blocks) plus the token that ends each assistant turn (`<|user|>`,
         `<|observation|>`, or an appended `<|endoftext|>` after a final assistant turn)."""
-        text, spans = ct.render_with_spans(self.chat_template, messages, tools=tools,
+        text, spans = ct.render_with_spans(self._template(), messages, tools=tools,
                                            add_generation_prompt=False,
                                            enable_thinking=enable_thinking, **kwargs)
         enc = self.tok.encode(text, add_special_tokens=False)
@@ -126,14 +169,30 @@ class GLMTokenizer:
     def _byte_decoder(self) -> dict[str, int]:
         return {c: b for b, c in _bytes_to_unicode().items()}
 
+    @cached_property
+    def decoder_kind(self) -> str:
+        """How token strings map to bytes: "byte_level" (GPT-2/GLM/Llama-3 BPE), "metaspace"
+        (SentencePiece-style: `▁` is a space, `<0xNN>` a byte), or "text" (anything else)."""
+        state = json.loads(self.tok.decoder.__getstate__()) if self.tok.decoder is not None else {}
+        kinds = {d.get("type") for d in state.get("decoders", [state])}
+        if "ByteLevel" in kinds:
+            return "byte_level"
+        return "metaspace" if kinds & {"Metaspace", "ByteFallback", "Replace"} else "text"
+
     def token_bytes(self, i: int) -> bytes:
-        """The raw bytes of one token (byte-level BPE); added tokens are their UTF-8 content."""
+        """The raw bytes of one token; added tokens are their UTF-8 content. For a "text" decoder the
+        token decoded on its own (not always exact: `IncrementalDetokenizer` decodes whole runs there)."""
         tok = self.tok.id_to_token(int(i))
         if tok is None:
             raise ValueError(f"token id {i} out of range (vocab {self.vocab_size})")
         if int(i) in self._added_ids:
             return tok.encode("utf-8")
-        return bytes(self._byte_decoder[c] for c in tok)
+        if self.decoder_kind == "byte_level":
+            return bytes(self._byte_decoder[c] for c in tok)
+        if self.decoder_kind == "metaspace":
+            byte = _BYTE_FALLBACK.fullmatch(tok)
+            return bytes([int(byte.group(1), 16)]) if byte else tok.replace("\u2581", " ").encode("utf-8")
+        return self.tok.decode([int(i)], skip_special_tokens=False).encode("utf-8")
 
     @cached_property
     def _added_ids(self) -> set[int]:
@@ -145,32 +204,31 @@ class GLMTokenizer:
         path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path / "tokenizer.json", self.tok.to_str(pretty=True))
         atomic_write_json(path / "tokenizer_config.json", self._hf_config())
-        atomic_write_text(path / "chat_template.jinja", self.chat_template)
+        if self.chat_template is not None:  # the template's only copy (transformers reads it from there)
+            atomic_write_text(path / "chat_template.jinja", self.chat_template)
 
     def _hf_config(self) -> dict:
+        """The loaded tokenizer_config.json, with our added tokens; GLM defaults fill what it leaves unset."""
         decoder = {str(i): {"content": a.content, "lstrip": a.lstrip, "normalized": a.normalized,
                             "rstrip": a.rstrip, "single_word": a.single_word, "special": a.special}
                    for i, a in sorted(self.tok.get_added_tokens_decoder().items())}
-        keep = {k: v for k, v in self.config.items() if k not in ("added_tokens_decoder", "chat_template")}
-        return {
-            **keep,
-            "added_tokens_decoder": decoder,
-            "additional_special_tokens": [t for t in SPECIAL_TOKENS if t in self.special_tokens],
-            "clean_up_tokenization_spaces": False,
-            "do_lower_case": False,
-            "eos_token": EOS_TOKENS[0],
-            "pad_token": PAD_TOKEN,
-            "model_max_length": keep.get("model_max_length", 131072),
-            "padding_side": "left",
-            "tokenizer_class": "PreTrainedTokenizerFast",
-        }  # the template goes to chat_template.jinja only (transformers reads it from there)
+        out = {k: v for k, v in self.config.items() if k not in ("added_tokens_decoder", "chat_template")}
+        out["added_tokens_decoder"] = decoder
+        defaults = {"clean_up_tokenization_spaces": False, "do_lower_case": False, "model_max_length": 131072,
+                    "padding_side": "left", "tokenizer_class": "PreTrainedTokenizerFast"}
+        if not self.missing(CHAT):
+            defaults.update(additional_special_tokens=[t for t in SPECIAL_TOKENS if t in self.special_tokens],
+                            eos_token=EOS_TOKENS[0], pad_token=PAD_TOKEN)
+        for key, value in defaults.items():
+            out.setdefault(key, value)
+        return out
 
 
 def load_tokenizer(path: str | Path) -> GLMTokenizer:
-    """Load a tokenizer directory (or a bare `tokenizer.json`): ours or a real GLM one.
+    """Load a tokenizer directory (or a bare `tokenizer.json`, or `bundled:tokenizer-8k`): any HF one.
 
     The chat template comes from `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`,
-    else glm5's default template.
+    else glm5's default template when the vocabulary has GLM's chat tokens, else there is none.
     """
     path = resolve_path(path)
     file = path if path.is_file() else path / "tokenizer.json"
@@ -186,6 +244,14 @@ def load_tokenizer(path: str | Path) -> GLMTokenizer:
     if (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text(encoding="utf-8")
     return GLMTokenizer(Tokenizer.from_file(str(file)), template, config)
+
+
+def _token_text(token) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -210,7 +276,8 @@ class IncrementalDetokenizer:
 
     Tokens are turned into raw bytes and fed to an incremental UTF-8 decoder, so a character split
     across tokens (Chinese, emoji) is emitted once its last byte arrives. `finish()` flushes a dangling
-    incomplete sequence as U+FFFD (only possible if generation stopped mid-character).
+    incomplete sequence as U+FFFD (only possible if generation stopped mid-character). A tokenizer
+    whose tokens are not bytes ("text" decoder, e.g. WordPiece) is decoded whole and diffed instead.
     """
 
     def __init__(self, tokenizer: GLMTokenizer, skip_special_tokens: bool = True):
@@ -223,13 +290,25 @@ class IncrementalDetokenizer:
     def add(self, ids) -> str:
         if isinstance(ids, int):
             ids = [ids]
-        data = b"".join(self.tokenizer.token_bytes(i) for i in ids if int(i) not in self.skip)
         self.token_ids.extend(int(i) for i in ids)
+        if self.tokenizer.decoder_kind == "text":
+            return self._diff(final=False)
+        data = b"".join(self.tokenizer.token_bytes(i) for i in ids if int(i) not in self.skip)
         new = self._utf8.decode(data, final=False)
         self.text += new
         return new
 
     def finish(self) -> str:
+        if self.tokenizer.decoder_kind == "text":
+            return self._diff(final=True)
         new = self._utf8.decode(b"", final=True)
+        self.text += new
+        return new
+
+    def _diff(self, final: bool) -> str:
+        full = self.tokenizer.decode([i for i in self.token_ids if i not in self.skip])
+        if not final and full.endswith("\ufffd"):  # an incomplete character: wait for its other bytes
+            return ""
+        new = full[len(self.text):]
         self.text += new
         return new

@@ -28,7 +28,8 @@ class EngineConfig:
     # scheduling
     max_num_seqs: int = 256  # running requests at most
     max_num_batched_tokens: int = 8192  # tokens per step (decodes + prefill chunks + draft tokens)
-    max_model_len: int = 8192  # prompt + output tokens per request
+    max_model_len: int | None = None  # prompt + output tokens per request; None = the model's
+    # max_position_embeddings, capped by what the KV cache holds (the engine resolves it at start)
     enable_chunked_prefill: bool = True  # split long prompts across steps under the token budget
 
     # model execution
@@ -49,13 +50,12 @@ class EngineConfig:
     batch_timeout_ms: int = 500  # or when the oldest queued request waited this long
 
     def __post_init__(self):
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                    "max_batch_size", "preferred_batch_size")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_batch_size", "preferred_batch_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_blocks", "kv_cache_memory", "max_resident_experts", "expert_cache_bytes",
-                     "max_session_len"):
+                     "max_session_len", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")
@@ -66,6 +66,7 @@ class EngineConfig:
         if self.preferred_batch_size > self.max_batch_size:
             raise ValueError(f"preferred_batch_size ({self.preferred_batch_size}) must be <= "
                              f"max_batch_size ({self.max_batch_size})")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len}) so every prompt fits a step")

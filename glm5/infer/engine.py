@@ -19,6 +19,7 @@ import torch
 from glm5.core.resources import resolve_path
 from glm5.data.infilling import InfillLayout
 from glm5.model.config import ModelConfig
+from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import cast_model, from_pretrained
 from glm5.model.kv_cache import bytes_per_token
 from glm5.model.model import GLM5ForCausalLM
@@ -93,9 +94,11 @@ class LLMEngine:
             tokenizer = tokenizer or load_tokenizer_for(self.config.model, model.config.vocab_size)
         self.model = self._convert(model.eval())
         self.model_config: ModelConfig = self.model.config
+        self.generation_config: GenerationConfig = self.model.generation_config
         self.tokenizer = tokenizer
         self.model_version = 0
-        num_blocks = self._num_blocks()
+        num_blocks, max_model_len = self._size_kv()
+        self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device,
@@ -115,7 +118,27 @@ class LLMEngine:
             quantize_model(model, None if k == "auto" else {"small": k, "large": k})
         return model
 
-    def _num_blocks(self) -> int:
+    def _size_kv(self) -> tuple[int, int]:
+        """(KV blocks, max_model_len). An unset max_model_len is the model's max_position_embeddings,
+        capped by what the KV budget holds; a set one must fit the model (the scheduler checks the KV)."""
+        c = self.config
+        limit = self.model.config.max_position_embeddings
+        if c.max_model_len is not None and c.max_model_len > limit:
+            raise ValueError(f"max_model_len={c.max_model_len} is more than the model's max_position_embeddings="
+                             f"{limit}; leave max_model_len unset to use {limit}")
+        length = c.max_model_len or limit
+        num_blocks = self._num_blocks(length, stretch=c.max_model_len is not None)
+        if c.max_model_len is not None:
+            return num_blocks, c.max_model_len
+        fits = num_blocks * c.block_size - c.speculative_num_tokens
+        if fits < 1:
+            raise ValueError(f"the KV cache ({num_blocks} blocks of {c.block_size} tokens) holds no request; "
+                             "raise num_blocks or kv_cache_memory")
+        return num_blocks, min(length, fits)
+
+    def _num_blocks(self, max_model_len: int, stretch: bool) -> int:
+        """Blocks from num_blocks, kv_cache_memory, or (default) every sequence at full length capped at a
+        quarter of free memory; `stretch` keeps at least one full-length request in that default."""
         c, cfg = self.config, self.model.config
         if c.num_blocks is not None:
             return c.num_blocks
@@ -123,11 +146,18 @@ class LLMEngine:
         with_mtp = c.speculative_num_tokens > 0
         if c.kv_cache_memory is not None:
             return num_blocks_for_budget(cfg, c.block_size, c.kv_cache_memory, dtype, with_mtp)
-        # default: every sequence at full length, capped at a quarter of free memory
-        want = c.max_num_seqs * (c.max_model_len + c.speculative_num_tokens) * bytes_per_token(cfg, dtype, with_mtp)
-        budget = min(want, available_memory_bytes() // 4)
-        need = cdiv(c.max_model_len + c.speculative_num_tokens, c.block_size)
-        return max(num_blocks_for_budget(cfg, c.block_size, budget, dtype, with_mtp), need)
+        want = c.max_num_seqs * (max_model_len + c.speculative_num_tokens) * bytes_per_token(cfg, dtype, with_mtp)
+        blocks = num_blocks_for_budget(cfg, c.block_size, min(want, available_memory_bytes() // 4), dtype, with_mtp)
+        return max(blocks, cdiv(max_model_len + c.speculative_num_tokens, c.block_size)) if stretch else blocks
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens per request (resolved: never None)."""
+        return self.config.max_model_len
+
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the model's generation_config.json defaults (temperature, top_p, ...)."""
+        return SamplingParams(**self.generation_config.sampling_defaults())
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
@@ -169,10 +199,13 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None:
+        """generation_config.json's EOS ids, then tokenizer_config.json's, then config.json's."""
+        gen = self.generation_config
+        if gen.eos_token_ids and not gen.extra.get("_from_model_config"):
+            return gen.eos_token_ids
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             return tuple(self.tokenizer.eos_token_ids)
-        eos = self.model_config.eos_token_id
-        return tuple([eos] if isinstance(eos, int) else (eos or []))
+        return gen.eos_token_ids
 
     def _detokenizer(self, params: SamplingParams):
         if self.tokenizer is None:

@@ -59,10 +59,11 @@ class LLM:
         ids = []
         for p, sp in zip(prompts, params):
             rid = f"llm-{next(self._ids)}"
+            sp = sp or self.engine.default_sampling_params()  # the model's generation_config.json defaults
             if isinstance(p, str):
-                self.engine.add_request(rid, prompt=p, params=sp or SamplingParams())
+                self.engine.add_request(rid, prompt=p, params=sp)
             else:
-                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp or SamplingParams(), infill=infill)
+                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp, infill=infill)
             ids.append(rid)
         return ids
 

@@ -18,6 +18,7 @@ import torch
 
 from glm5.core.io import LazyTensors, safetensors_files
 from glm5.model.config import ModelConfig
+from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import cast_model, dequantize_fp8, load_hf_state_dict
 from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
@@ -120,4 +121,5 @@ def load_offloaded(path: str | Path, dtype: torch.dtype = torch.float32, device=
     cast_model(model, dtype)
     model.model.inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta))
     load_hf_state_dict(model, tensors, strict=False)
+    model.generation_config = GenerationConfig.from_pretrained(path) or model.generation_config
     return model.eval()

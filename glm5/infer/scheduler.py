@@ -74,6 +74,8 @@ class Scheduler:
                 raise ValueError("Scheduler needs a BlockManager or config.num_blocks")
             block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager = block_manager
+        if config.max_model_len is None:
+            raise ValueError("Scheduler needs a resolved max_model_len (LLMEngine sets it from the model)")
         needed = cdiv(config.max_model_len + config.speculative_num_tokens, block_manager.block_size)
         if needed > block_manager.num_blocks:
             raise ValueError(f"{block_manager.num_blocks} KV blocks cannot hold one request of max_model_len "

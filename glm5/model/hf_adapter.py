@@ -19,6 +19,7 @@ import torch
 from glm5.core.io import LazyTensors, safetensors_files, save_sharded
 
 from .config import ModelConfig
+from .generation_config import GenerationConfig
 from .layers import rope_inv_freq
 from .model import GLM5ForCausalLM
 
@@ -185,12 +186,14 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: 
     dtype = dtype or default_dtype(cfg, device)
     model = build_empty(cfg, device, dtype, model_cls)
     load_hf_state_dict(model, LazyTensors(safetensors_files(path)), strict=strict)
+    model.generation_config = GenerationConfig.from_pretrained(path) or model.generation_config
     return model.eval()
 
 
 def save_pretrained(model: GLM5ForCausalLM, path: str | Path, max_shard_size: int | str = "5GB",
                     dtype: torch.dtype | None = None) -> None:
-    """Write config.json, generation_config.json and HF-named safetensors (sharded past max_shard_size)."""
+    """Write config.json, generation_config.json (`model.generation_config`: the token ids from the config
+    plus any sampling defaults set on it) and HF-named safetensors (sharded past max_shard_size)."""
     path = Path(path)
     cfg = model.config
     tensors = state_dict_to_hf(model)
@@ -200,8 +203,7 @@ def save_pretrained(model: GLM5ForCausalLM, path: str | Path, max_shard_size: in
     d = cfg.to_dict()
     d["dtype"] = str(dtype or next(model.parameters()).dtype).replace("torch.", "")
     (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
-    gen = {k: d[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if d.get(k) is not None}
-    (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    model.generation_config.save(path)
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype | None = torch.bfloat16,

@@ -21,6 +21,7 @@ from torch import nn
 
 from .attention import MLAttention
 from .config import ModelConfig
+from .generation_config import GenerationConfig
 from .layers import RMSNorm, SwiGLU, rope_angles, rope_inv_freq
 from .kv_cache import LatentKVCache
 from .masks import MaskSpec
@@ -122,6 +123,20 @@ class GLM5ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.gradient_checkpointing = False
+        self.generation_config = GenerationConfig.from_model_config(cfg)  # checkpoints replace it with theirs
+
+    # --- HF conventions: the file formats live in hf_adapter.py (imported on use: it imports this) ------
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu", strict: bool = True
+                        ) -> "GLM5ForCausalLM":
+        """Load an HF-format checkpoint directory (see `glm5.model.hf_adapter.from_pretrained`)."""
+        from .hf_adapter import from_pretrained  # noqa: PLC0415
+        return from_pretrained(path, dtype=dtype, device=device, strict=strict, model_cls=cls)
+
+    def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
+        """Write config.json, generation_config.json and sharded safetensors (transformers' layout)."""
+        from .hf_adapter import save_pretrained  # noqa: PLC0415
+        save_pretrained(self, path, max_shard_size=max_shard_size, dtype=dtype)
 
     # --- init -----------------------------------------------------------------------------------------
     @torch.no_grad()

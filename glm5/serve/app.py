@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from glm5.data.tokenizer import GLMTokenizer
+from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
 from glm5.serve import admin
 from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, RequestFailed
@@ -143,20 +145,21 @@ def _json_response(body: dict) -> JSONResponse:
     return JSONResponse(body, headers=headers)
 
 
-def create_app(engine, tokenizer=None, config: ServerConfig | None = None, model_name: str | None = None,
-               max_model_len: int | None = None, on_engine_failure=None) -> FastAPI:
-    """`on_engine_failure(exc)` runs (on the engine thread) if the engine loop dies of a fault that no
+def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config: ServerConfig | None = None,
+               model_name: str | None = None, on_engine_failure=None) -> FastAPI:
+    """The app over `engine`; the context limit is the engine's `max_model_len`.
+    `on_engine_failure(exc)` runs (on the engine thread) if the engine loop dies of a fault that no
     single request explains; `glm5 serve` uses it to exit non-zero. Without it the server stays up and
     answers 503 "engine failed" (and /health 503) until it is restarted."""
     config = config or ServerConfig()
     tokenizer = tokenizer or engine.tokenizer
-    engine_cfg = getattr(engine, "config", None)
-    name = config.served_model_name or model_name or Path(str(getattr(engine_cfg, "model", "glm5"))).name
-    max_len = max_model_len or int(getattr(engine_cfg, "max_model_len", 8192))
+    if tokenizer is None:  # text in and out needs one; say so at start, not as a 500 per request
+        raise ValueError(f"glm5 serve needs a tokenizer: {engine.config.model} has no tokenizer.json")
+    name = config.served_model_name or model_name or Path(engine.config.model).name
     metrics = ServerMetrics(name)
     aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
                           on_failure=on_engine_failure)
-    state = ServerState(engine, aengine, tokenizer, config, name, max_len, int(engine.model_config.vocab_size))
+    state = ServerState(engine, aengine, tokenizer, config, name)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -241,7 +244,7 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "glm5",
-                "root": str(getattr(getattr(state.engine, "config", None), "model", state.model_name)),
+                "root": state.engine.config.model,
                 "max_model_len": state.max_model_len, "model_version": state.async_engine.model_version}
         return {"object": "list", "data": [card]}
 

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from glm5.data.tokenizer import GLMTokenizer
+from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import SamplingParams, check_token_ids
 from glm5.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
 from glm5.serve.config import ServerConfig
@@ -47,13 +49,21 @@ def as_api_error(e: BaseException) -> APIError:
 
 @dataclass
 class ServerState:
-    engine: Any  # LLMEngine
+    engine: LLMEngine
     async_engine: AsyncEngine
-    tokenizer: Any  # GLMTokenizer
+    tokenizer: GLMTokenizer
     config: ServerConfig
     model_name: str
-    max_model_len: int
-    vocab_size: int  # the model's (rows of its logits): every token id a request carries must be below it
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's (the model's max_position_embeddings unless configured lower)."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's (rows of its logits): every token id a request carries must be below it."""
+        return int(self.engine.model_config.vocab_size)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -78,20 +88,26 @@ def max_tokens_for(state: ServerState, req: SamplingFields, prompt_len: int, req
     return requested
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int, **extra) -> SamplingParams:
-    """OpenAI/vLLM request fields -> `SamplingParams`; a value the engine rejects (including a token id
-    outside the vocabulary) is a 400 naming the field."""
+def sampling_params(req: SamplingFields, max_tokens: int, state: ServerState, **extra) -> SamplingParams:
+    """OpenAI/vLLM request fields -> `SamplingParams`; fields the request leaves unset take the model's
+    generation_config.json defaults (as vLLM does), then the OpenAI ones. A value the engine rejects
+    (including a token id outside the vocabulary) is a 400 naming the field."""
+    model = state.engine.generation_config.sampling_defaults()
+
+    def pick(name: str, value, default):
+        return value if value is not None else model.get(name, default)
+
     beam = req.use_beam_search
-    temperature = (0.0 if beam else 1.0) if req.temperature is None else req.temperature
+    temperature = 0.0 if beam and req.temperature is None else pick("temperature", req.temperature, 1.0)
     kwargs = dict(
         n=1 if beam else req.n, temperature=temperature, use_beam_search=beam,
         beam_width=(req.beam_width or req.n) if beam else 1, length_penalty=req.length_penalty,
         early_stopping=req.early_stopping,
         temperature_schedule=tuple(req.temperature_schedule) if req.temperature_schedule else None,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+        top_p=pick("top_p", req.top_p, 1.0), top_k=pick("top_k", req.top_k, 0), min_p=pick("min_p", req.min_p, 0.0),
         seed=req.seed, stop=req.stop_list(), stop_token_ids=list(req.stop_token_ids or []),
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-        repetition_penalty=req.repetition_penalty, min_tokens=min(req.min_tokens, max_tokens),
+        repetition_penalty=pick("repetition_penalty", req.repetition_penalty, 1.0), min_tokens=min(req.min_tokens, max_tokens),
         ignore_eos=req.ignore_eos, max_tokens=max_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens)
@@ -100,7 +116,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, vocab_size: int, **ext
         raise APIError(400, f"n: {req.n} best beams need beam_width >= n, got {kwargs['beam_width']}", param="n")
     try:
         params = SamplingParams(**kwargs)
-        params.check_vocab(vocab_size)
+        params.check_vocab(state.vocab_size)
         return params
     except (ValueError, TypeError) as e:
         param = str(e).split(" ")[0] if str(e) else None

@@ -48,7 +48,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # None: the model's default, else 1
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stream: bool = False

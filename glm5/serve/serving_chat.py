@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import jinja2
 from fastapi.responses import StreamingResponse
 
+from glm5.data.tokenizer import MissingSpecialTokens
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, sampling_params, sse,
                                token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
@@ -43,13 +44,18 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, 
         kwargs.pop(reserved, None)
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    parse_tools = tools if tools and req.tool_choice != "none" and state.config.tool_parser else None
     try:
+        if parse_tools:
+            state.tokenizer.require("tool calls")
         text = state.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
             enable_thinking=enable_thinking, tokenize=False, **kwargs)
+    except MissingSpecialTokens as e:  # a non-GLM tokenizer: say which feature and which tokens
+        raise APIError(400, str(e), param="tools" if e.feature == "tool calls" else "messages",
+                       code="unsupported_by_tokenizer") from e
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
-    parse_tools = tools if tools and req.tool_choice != "none" and state.config.tool_parser else None
     forced = ""
     if parse_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
         if prompt_opens_reasoning(text):
@@ -158,7 +164,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     extra = {"skip_special_tokens": False}  # <think>/<tool_call> must reach the parsers
     if top_k is not None:
         extra["logprobs"] = top_k
-    params = sampling_params(req, max_tokens, state.vocab_size, **extra)
+    params = sampling_params(req, max_tokens, state, **extra)
     stream = state.async_engine.generate(request_id, prompt_ids, params)
     choices = [_Choice(state, i, prompt_opens_reasoning(text), forced, tools) for i in range(req.n)]
     try:

@@ -65,7 +65,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
         extra["logprobs"] = req.logprobs
         if req.echo:
             extra["prompt_logprobs"] = req.logprobs
-    params = [sampling_params(req, mt, state.vocab_size, **extra) for mt in max_tokens]
+    params = [sampling_params(req, mt, state, **extra) for mt in max_tokens]
     layouts = [ip.layout for ip in infills] if infills else [None] * len(prompts)
     streams = [_generate(state, f"{request_id}-{i}", ids, p, layout, req.n)
                for i, (ids, p, layout) in enumerate(zip(prompts, params, layouts))]
