@@ -10,38 +10,16 @@ import time
 
 import httpx
 import pytest
-import torch
 
-from glm5.data.tokenizer import load_tokenizer
-from glm5.infer.config import EngineConfig
-from glm5.infer.engine import LLMEngine
-from glm5.model.config import ModelConfig
-from glm5.model.hf_adapter import save_pretrained
-from glm5.model.model import GLM5ForCausalLM
-from glm5.serve.app import create_app
-from glm5.serve.config import ServerConfig
-from glm5.serve.testing import serve_in_thread
+from glm5.infer.sampling import SamplingParams
 
-TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
-PROMPT = "The capital of France is"
+from ._live import PROMPT, TOK, live_server
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, one_thread):
-    path = tmp_path_factory.mktemp("tiny-hardening")
-    cfg = ModelConfig.from_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    model = GLM5ForCausalLM(cfg).init_weights(0).eval()
-    save_pretrained(model, path)
-    TOK.save(path)
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_model_len=128,
-                                    num_blocks=64, block_size=16, max_num_seqs=8, batch_timeout_ms=0))
-    prompt_ids = TOK.encode(PROMPT, add_special_tokens=True)
-    expected = TOK.decode(model.generate_greedy(torch.tensor([prompt_ids]), 6)[0, len(prompt_ids):].tolist(),
-                          skip_special_tokens=True)
-    app = create_app(engine, config=ServerConfig(), model_name="tiny")
-    with serve_in_thread(app) as url:
-        yield {"url": url, "engine": engine, "expected": expected, "vocab": cfg.vocab_size, "app": app}
+    with live_server(tmp_path_factory.mktemp("tiny-hardening")) as server:
+        yield server
 
 
 def post(live, path, body, **kw):
@@ -75,7 +53,6 @@ def test_out_of_vocab_stop_ids_with_min_tokens_do_not_kill_the_engine(live):
     body = {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [2**70], "min_tokens": 1}
     assert_error(post(live, "/v1/chat/completions", body), 400, "stop_token_ids")
     with pytest.raises(ValueError, match="stop_token_ids"):  # the engine itself refuses them too
-        from glm5.infer.sampling import SamplingParams
         live["engine"].add_request("direct", prompt_token_ids=[1, 2], params=SamplingParams(stop_token_ids=[99999]))
     assert_alive(live)
 
