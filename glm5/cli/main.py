@@ -19,6 +19,7 @@ COMMANDS = {
     "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),
     "merge": ("merge", "fold a LoRA adapter into its base: `glm5 merge BASE ADAPTER OUT`"),
     "eval": ("eval", "evaluate: `glm5 eval --model PATH_OR_URL --task mmlu --data DIR --output OUT.json`"),
+    "distill": ("distill", "knowledge distillation into a small student: `glm5 distill --config ...`"),
     "lm-eval": ("lm_eval_cli", "lm-evaluation-harness with `--model glm5` registered: `glm5 lm-eval run ...`"),
     "quickstart": ("quickstart", "the main job: data pipeline -> train tiny -> generate"),
 }

@@ -82,7 +82,10 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module | None = None, data: DataSource | None = None,
-                 parallelize_fn=None):
+                 parallelize_fn=None, micro_fn=None):
+        # micro_fn: the training forward+loss of one micro-batch (default `forward_micro`; distillation
+        # passes one that mixes in the teacher's targets); validation always uses plain `forward_micro`
+        self.micro_fn = micro_fn or forward_micro
         self.cfg = cfg
         dist.init_from_env(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
         seed_everything(cfg.train.seed)
@@ -230,7 +233,7 @@ class Trainer:
         for objective, batch in micro:
             with self.loss_context():  # forward and backward (tensor parallel: vocab-parallel loss)
                 with self._autocast():
-                    res = forward_micro(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
+                    res = self.micro_fn(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
                                         cfg.dsa.indexer_loss_coef, self.capture, self.data_group)
                     loss = micro_loss(res, n_tok / D, n_mtp / D, cfg.train.mtp_weight, len(micro))
                 loss.backward()
