@@ -25,6 +25,7 @@ def models(tmp_path_factory, one_thread):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt"))
     hf = HFLM(pretrained=str(ckpt), dtype="float32", device="cpu", batch_size=4, max_length=48)
     ours = EngineModel(str(ckpt), max_length=48, device="cpu")
+    ours.ckpt = ckpt
     return hf, ours
 
 
@@ -71,3 +72,15 @@ def test_rolling_loglikelihood_equals_lm_eval_hf(models):
     for r, (lp, n) in zip(ref, got):
         assert lp == pytest.approx(r, abs=1e-3)
         assert n > 0
+
+
+def test_hf_backend_equals_lm_eval_hf(models):
+    """The transformers backend (used for teachers from other families) scores like lm-eval's `hf`."""
+    from glm5.eval.hf_model import HFModel
+    hf, ours = models
+    mine = HFModel(str(ours.ckpt), max_length=48, batch_size=3)
+    ref = hf.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(REQUESTS)])
+    for (a, ga), (b, gb) in zip(mine.loglikelihood(REQUESTS), ref):
+        assert a == pytest.approx(b, abs=2e-4) and ga == gb
+    assert mine.generate(["Hello"], GenerationParams(max_tokens=4)) == ours.generate(["Hello"],
+                                                                                  GenerationParams(max_tokens=4))
