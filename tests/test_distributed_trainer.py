@@ -23,33 +23,36 @@ MODEL = {"vocab_size": 96, "hidden_size": 48, "num_hidden_layers": 2, "intermedi
 STEPS, WORLD = 4, 2
 
 
-def make_trainer(run_dir: Path, data: DataSource, resume: str = "", **parallel):
+def make_trainer(run_dir: Path, data: DataSource, resume: str = "", train: dict | None = None, **parallel):
     from glm5.core.config import from_dict
     from glm5.train.config import TrainConfig
     from glm5.train.trainer import Trainer
-    d = {"model": {"name": "tiny", "overrides": dict(MODEL)}, "optim": {"lr": 3e-3},
-         "schedule": {"warmup_steps": 2}, "train": {"steps": STEPS},
+    train = dict(train or {})
+    model = {**MODEL, **train.pop("model", {})}  # model overrides ride along with the train section
+    d = {"model": {"name": "tiny", "overrides": model}, "optim": {"lr": 3e-3},
+         "schedule": {"warmup_steps": 2}, "train": {"steps": STEPS, **train},
          "parallel": {"backend": "gloo", **parallel}, "checkpoint": {"every": 2, "resume": resume},
          "log": {"run_dir": str(run_dir), "progress": False, "eval_batches": 1, "measure_peak": False}}
     return Trainer(from_dict(TrainConfig, d), data=data)
 
 
-def data_coords(rank: int, parallel: dict) -> tuple[int, int]:
+def data_coords(rank: int, parallel: dict, world: int = WORLD) -> tuple[int, int]:
     """(data rank, data world) of `rank` on the ("pp", "dp", "ep", "tp") mesh: tp/pp peers share rows."""
     tp, pp = parallel.get("tensor_parallel", 1), parallel.get("pipeline_parallel", 1)
-    world = WORLD // (tp * pp)
+    world = world // (tp * pp)
     return (rank // tp) % world, world
 
 
-def _worker(rank: int, port: int, run_dir: str, resume: str, parallel: dict) -> None:
+def _worker(rank: int, port: int, run_dir: str, resume: str, parallel: dict, train: dict,
+            world: int = WORLD) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
         # elastic order: data rank r of D reads rows [r * 4/D, (r+1) * 4/D) of the 4-row global batch
-        r, D = data_coords(rank, parallel)
+        r, D = data_coords(rank, parallel, world)
         t = make_trainer(Path(run_dir), SyntheticData(96, 4 // D, 24, seed=1, rank=r, world_size=D),
-                         resume=resume, **parallel)
+                         resume=resume, train=train, **parallel)
         t.fit()
         if rank == 0:
             name = "losses_resumed.json" if resume else "losses.json"
@@ -58,11 +61,11 @@ def _worker(rank: int, port: int, run_dir: str, resume: str, parallel: dict) -> 
         torch.distributed.destroy_process_group()
 
 
-def _spawn(run_dir: Path, resume: str = "", **parallel) -> None:
+def _spawn(run_dir: Path, resume: str = "", train: dict | None = None, **parallel) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(run_dir), resume, parallel), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(port, str(run_dir), resume, parallel, train or {}), nprocs=WORLD, join=True)
 
 
 @pytest.mark.slow
@@ -93,17 +96,49 @@ def test_trainer_fsdp_ep_matches_single_process_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"tensor_parallel": 2}])
-def test_trainer_parallel_configs_match_single_process(tmp_path, parallel):
+@pytest.mark.parametrize("parallel, train", [
+    ({"tensor_parallel": 2}, {}),
+    ({"pipeline_parallel": 2}, {"grad_accum": 2}),  # 1F1B over 2 micro-batches, MTP on the last stage
+    ({"pipeline_parallel": 2, "pipeline_schedule": "gpipe"}, {"grad_accum": 3}),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2},
+     {"grad_accum": 2, "model": {"num_hidden_layers": 4}}),  # stages 0, 2 on rank 0; 1, 3 on rank 1
+], ids=["tp2", "pp2-1f1b", "pp2-gpipe", "pp2-interleaved"])
+def test_trainer_parallel_configs_match_single_process(tmp_path, parallel, train):
     """The Trainer under each other parallel layout logs the single-process losses, and its final
     HF export holds the same trained weights."""
     from glm5.model.hf_adapter import from_pretrained
-    single = make_trainer(tmp_path / "single", SyntheticData(96, 4, 24, seed=1))
+    single = make_trainer(tmp_path / "single", SyntheticData(96, 4, 24, seed=1), train=train)
     single.fit()
     ref = [h["loss"] for h in single.history]
-    _spawn(tmp_path / "dist", **parallel)
+    _spawn(tmp_path / "dist", train=train, **parallel)
     losses = json.loads((tmp_path / "dist" / "losses.json").read_text())
     assert len(losses) == STEPS and max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
     final = from_pretrained(tmp_path / "dist" / "final", dtype=torch.float32).state_dict()
     for k, v in single.raw_model.state_dict().items():
         torch.testing.assert_close(final[k], v, atol=1e-4, rtol=1e-3)
+
+
+def _spawn4(run_dir: Path, resume: str, parallel: dict) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(run_dir), resume, parallel, {"grad_accum": 2}, 4), nprocs=4, join=True)
+    return json.loads((Path(run_dir) / ("losses_resumed.json" if resume else "losses.json")).read_text())
+
+
+@pytest.mark.slow
+def test_four_process_meshes_match_and_reshard(tmp_path):
+    """(tp=2 x pp=2) and (dp=2 x ep=2) on 4 processes log the single-process losses, and a DCP
+    checkpoint of either resumes under the other (model, optimizer and data position resharded)."""
+    single = make_trainer(tmp_path / "single", SyntheticData(96, 4, 24, seed=1), train={"grad_accum": 2})
+    single.fit()
+    ref = [h["loss"] for h in single.history]
+    layouts = {"tp2pp2": {"tensor_parallel": 2, "pipeline_parallel": 2},
+               "dp2ep2": {"data_parallel": 2, "expert_parallel": 2}}
+    for name, par in layouts.items():
+        losses = _spawn4(tmp_path / name, "", par)
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-5, (name, losses, ref)
+    for src, dst in (("tp2pp2", "dp2ep2"), ("dp2ep2", "tp2pp2")):
+        ckpt = tmp_path / src / "checkpoints" / "step_00000002"
+        resumed = _spawn4(tmp_path / f"{src}-to-{dst}", str(ckpt), layouts[dst])
+        assert len(resumed) == 2 and max(abs(a - b) for a, b in zip(resumed, ref[2:])) < 1e-5, (src, resumed, ref)

@@ -45,3 +45,21 @@ def test_parallel_config_validation(bad, match):
     with pytest.raises((ValueError, ConfigError), match=match):
         from_dict(TrainConfig, {"parallel": bad})
     assert ParallelConfig().data_parallel == 0
+
+
+def test_pipeline_split_layers():
+    from glm5.train.parallel_pp import local_stages, split_layers
+    cfg = tiny_config(num_hidden_layers=6, num_nextn_predict_layers=1)
+    assert split_layers(cfg, 4) == [[0, 1], [2, 3], [4], [5, 6]]  # earlier stages one more; MTP (6) last
+    assert split_layers(cfg, 2, [1, 5]) == [[0], [1, 2, 3, 4, 5, 6]]
+    with pytest.raises(ValueError, match="pipeline_split"):
+        split_layers(cfg, 2, [6, 0])
+    with pytest.raises(ValueError, match="stage would be empty"):
+        split_layers(cfg, 7)
+    # IndexShare: a stage may not start on a shared-indexer layer (its top-k comes from the layer before)
+    shared = tiny_config(num_hidden_layers=6, indexer_types=["full", "shared", "shared", "full", "shared", "full"])
+    assert split_layers(shared, 2) == [[0, 1, 2], [3, 4, 5]]
+    assert split_layers(shared, 3) == [[0, 1, 2], [3, 4], [5]]  # boundaries 2 and 4 move to full layers 3 and 5
+    with pytest.raises(ValueError, match="shared-indexer"):
+        split_layers(shared, 2, [2, 4])
+    assert local_stages(1, 2, 2) == [1, 3]  # loop order for the interleaved schedule

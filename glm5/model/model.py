@@ -239,9 +239,10 @@ class GLM5ForCausalLM(nn.Module):
                             attention_mask=keep[:, None, :].expand(B, T, T))
         return MaskSpec(causal=False, segment_ids=segment_ids, attention_mask=attention_mask.bool())
 
-    def _run_layers(self, x, cos, sin, ctx: MaskSpec | PagedContext):
+    def _run_layers(self, x, cos, sin, ctx: MaskSpec | PagedContext, layers=None):
+        """The main decoder layers (or `layers`: a pipeline stage's share of them) -> (x, stats, sels)."""
         stats, sels, sel = [], [], None
-        for layer in self.model.main_layers:
+        for layer in self.model.main_layers if layers is None else layers:
             if self.gradient_checkpointing and self.training:
                 x, sel, st = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, ctx, sel, use_reentrant=False)
             else:
@@ -252,11 +253,11 @@ class GLM5ForCausalLM(nn.Module):
                 stats.append(st)
         return x, stats, sels
 
-    def _mtp(self, input_ids, mtp_input_ids, h, cos, sin, mask):
+    def _mtp(self, input_ids, mtp_input_ids, h, cos, sin, mask, layers=None):
         """Depth-j MTP layer sees tokens shifted left by j+1 and the previous depth's states; returns the
-        first depth's logits (GLM-5 has one MTP layer)."""
+        first depth's logits (GLM-5 has one MTP layer). `layers`: the MTP layers (default: the model's)."""
         logits, stats, z = None, [], h
-        for j, layer in enumerate(self.model.mtp_layers):
+        for j, layer in enumerate(self.model.mtp_layers if layers is None else layers):
             if mtp_input_ids is None or j > 0:
                 src = input_ids if mtp_input_ids is None else mtp_input_ids
                 shift = j + 1 if mtp_input_ids is None else 1

@@ -35,6 +35,7 @@ from glm5.core import dist as gdist
 from glm5.model.config import ModelConfig
 
 from .parallel_ep import convert_to_ep
+from .parallel_pp import PipelineRunner, local_stages, prune_to_stages, split_layers
 from .parallel_tp import apply_tp, check_tp
 
 DIMS = ("pp", "dp", "ep", "tp")
@@ -50,6 +51,7 @@ class ParallelPlan:
     tp: int = 1
     pp: int = 1
     mixed_precision: bool = False
+    pipeline: PipelineRunner | None = None  # runs the rank's stages when pp > 1
 
     @property
     def world(self) -> int:
@@ -71,6 +73,10 @@ class ParallelPlan:
     @property
     def data_group(self) -> dist.ProcessGroup:
         return self.data_mesh.get_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.pp > 1 else None
 
     def loss_context(self):
         """Around forward *and* backward: the vocab-parallel cross entropy of tensor parallel."""
@@ -140,7 +146,10 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mp: MixedPrecisionPolicy, own_expert_units: bool) -> None:
-    """FSDP2 units: the routed experts (own unit when they are EP- or token-parallel), every layer, root."""
+    """FSDP2 units: the routed experts (own unit when they are EP- or token-parallel), every layer, then
+    the root: the model, or under pipeline parallel each stage module (the model's forward never runs
+    there; a stage module holds its embedding / final norm / head, and the schedule then defers the
+    gradient reduction to the last micro-batch)."""
     data = plan.data_mesh
     if own_expert_units:
         emesh = _flat(plan.mesh, ("dp", "tp"), "dp_tp") if plan.tp > 1 else plan.mesh["dp"]
@@ -155,22 +164,36 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, mp: MixedPrecisionPolicy, o
         fully_shard(layer, mesh=data, mp_policy=mp)
         if hasattr(layer, "forward_mtp"):  # MTP layers are entered through forward_mtp, not __call__
             register_fsdp_forward_method(layer, "forward_mtp")
-    fully_shard(model, mesh=data, mp_policy=mp)
+    if plan.pipeline is None:
+        fully_shard(model, mesh=data, mp_policy=mp)
+        return
+    for stage in plan.pipeline.modules:  # the roots: embedding / norm / head of the stage, its layers below
+        fully_shard(stage, mesh=data, mp_policy=mp)
 
 
 def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto", *, dp: int = 0, tp: int = 1,
-                   pp: int = 1) -> nn.Module:
-    """EP, then TP, then FSDP2 over the mesh, in place; returns the model (now an FSDP module)."""
+                   pp: int = 1, schedule: str = "1f1b", stages_per_rank: int = 1,
+                   split: list[int] | tuple[int, ...] = ()) -> nn.Module:
+    """Pipeline cut, EP, TP, then FSDP2 over the mesh, in place; returns the model (an FSDP module; under
+    pipeline parallel, the rank's pruned model with `parallel_plan.pipeline` to run it)."""
     shape = mesh_shape(gdist.world_size(), dp, ep, tp, pp)
-    check_model(model.config, shape)
+    check_model(model.config, shape, pp * stages_per_rank)
+    stages = split_layers(model.config, pp * stages_per_rank, split) if pp > 1 else None
     mesh = build_mesh(ep, dp=dp, tp=tp, pp=pp)
     plan = ParallelPlan(mesh, shape["dp"], ep, tp, pp)
     mp = mixed_precision_policy(mesh.device_type, dtype)
     plan.mixed_precision = mp.param_dtype is not None
+    if stages is not None:
+        mine = local_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank)
+        prune_to_stages(model, stages, mine)
     if ep > 1:
         convert_to_ep(model, mesh["ep"])
     if tp > 1:
         apply_tp(model, mesh["tp"])
+    if stages is not None:
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+            else torch.device("cpu")
+        plan.pipeline = PipelineRunner(model, mesh, stages, mine, schedule, device)
     apply_fsdp(model, plan, mp, own_expert_units=ep > 1 or tp > 1)
     model.parallel_plan = plan
     return model
@@ -179,14 +202,14 @@ def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto", *, dp: in
 def parallelize(model: nn.Module, cfg) -> nn.Module:
     """The trainer's hook: `cfg` is the `TrainConfig` (reads `parallel`, `precision.dtype`, `dsa`)."""
     par = cfg.parallel
-    if par.pipeline_parallel > 1:
-        raise ValueError("parallel.pipeline_parallel > 1: pipeline parallelism is not wired into the trainer yet")
-    if par.tensor_parallel > 1 and (cfg.dsa.indexer_loss_coef > 0 or cfg.dsa.indexer_warmup_steps > 0):
-        raise ValueError("parallel.tensor_parallel > 1 with the DSA indexer loss/warm-up is not supported: the "
-                         "indexer's target is the attention over all heads (set dsa.indexer_loss_coef = 0 and "
-                         "dsa.indexer_warmup_steps = 0)")
+    for key in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(par, key) > 1 and (cfg.dsa.indexer_loss_coef > 0 or cfg.dsa.indexer_warmup_steps > 0):
+            raise ValueError(f"parallel.{key} > 1 with the DSA indexer loss/warm-up is not supported: the "
+                             "indexer's target is the attention over all heads of a whole model (set "
+                             "dsa.indexer_loss_coef = 0 and dsa.indexer_warmup_steps = 0)")
     return apply_parallel(model, ep=par.expert_parallel, dtype=cfg.precision.dtype, dp=par.data_parallel,
-                          tp=par.tensor_parallel, pp=par.pipeline_parallel)
+                          tp=par.tensor_parallel, pp=par.pipeline_parallel, schedule=par.pipeline_schedule,
+                          stages_per_rank=par.stages_per_rank, split=par.pipeline_split)
 
 
 # --- helpers for the training loop --------------------------------------------------------------------
@@ -204,13 +227,18 @@ def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(tensors: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm (fp32 scalar, plain CPU tensor) of possibly sharded tensors: each mesh group's norm
-    is completed across its mesh (`full_tensor`), then the groups are combined."""
+    is completed across its mesh (`full_tensor`), then the groups are combined; with `pp_group` (pipeline
+    stages hold different tensors) the squares are also summed over the stages."""
     sq = torch.zeros((), dtype=torch.float32)
     for group in _by_mesh(tensors):
         n = _full(torch.nn.utils.get_total_norm(group, 2.0)).float().cpu()
         sq = sq + n * n
+    if pp_group is not None:
+        t = sq.to("cuda") if dist.get_backend(pp_group) == "nccl" else sq
+        dist.all_reduce(t, group=pp_group)
+        sq = t.cpu()
     return sq.sqrt()
 
 
@@ -222,15 +250,17 @@ def scale_(tensors: list[torch.Tensor], scale: torch.Tensor | float) -> None:
         torch._foreach_mul_(group, s)
 
 
-def grad_norm(params) -> torch.Tensor:
+def grad_norm(params, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """`total_norm` of the gradients of `params` (the distributed version of stability.grad_norm)."""
-    return total_norm([p.grad for p in params if p.grad is not None])
+    return total_norm([p.grad for p in params if p.grad is not None], pp_group)
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for mixed-mesh DTensor gradients; returns the pre-clip norm."""
+def clip_grad_norm_(params, max_norm: float, norm: torch.Tensor | None = None,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for mixed-mesh DTensor gradients; returns the pre-clip norm
+    (`norm`: already computed over the same parameters, e.g. without a pipeline's tied copy)."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = total_norm(grads)
+    norm = total_norm(grads, pp_group) if norm is None else norm
     scale_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 

@@ -99,11 +99,26 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
 
 
+def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Collective: the full (unsharded) CPU state dict on rank 0, None elsewhere. Under pipeline parallel
+    each stage gathers its own parameters and one rank per stage sends them to rank 0 (the embedding
+    the last stage shares for MTP arrives twice, identical)."""
+    plan = getattr(model, "parallel_plan", None)
+    if plan is None or plan.pp == 1:
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return sd if gdist.is_main() else None
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    leader = plan.data_rank == 0 and plan.mesh["tp"].get_local_rank() == 0
+    mine = {k: v.detach().cpu() for k, v in sd.items()} if leader else {}
+    parts: list | None = [None] * gdist.world_size() if gdist.is_main() else None
+    dist.gather_object(mine, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
+
+
 def gather_model(model: nn.Module) -> GLM5ForCausalLM | None:
     """Collective: rank 0 gets a plain fp32 CPU `GLM5ForCausalLM` with the full weights, others None."""
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(model, options=opts)
-    if not gdist.is_main():
+    sd = _full_state_dict(model)
+    if sd is None:
         return None
     cfg = model.config
     with torch.device("meta"):
@@ -170,10 +185,9 @@ def is_train_checkpoint(path: str | Path) -> bool:
 
 
 def load_train_checkpoint(path: str | Path, model: nn.Module, optimizer) -> dict:
-    """Collective: load model + optimizer (resharded to the current world size), restore this rank's RNG
-    and return its trainer state. A rank the saving run did not have (the world grew) gets rank 0's
-    state: step, guard and RNG carry over, but its data position is rank 0's, so the data order of a
-    run resumed at another world size is not the uninterrupted run's."""
+    """Collective: load model + optimizer (resharded to the current mesh), restore this rank's RNG and
+    return its trainer state. A rank the saving run did not have (the world grew) gets rank 0's state;
+    the data position is the same on every rank (elastic order), so the run continues at its rows."""
     path = Path(path)
     load_dcp(path / "dcp", model, optimizer)
     name = _state_name(gdist.rank())

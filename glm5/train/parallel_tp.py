@@ -184,12 +184,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Tensor-parallelise `model` (a GLM5ForCausalLM, after expert parallel) over `tp_mesh`, in place."""
     P = tp_mesh.size()
     check_tp(model.config, P)
-    parallelize_module(model, tp_mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    })
+    plan = {}  # a pipeline stage may lack the embedding or the head
+    if hasattr(model.model, "embed_tokens"):
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if hasattr(model, "lm_head"):
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
     tokens = TokenParallel(tp_mesh)
-    for layer in model.model.layers:
+    layers = model.model.layers
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         _attention(layer.self_attn, tp_mesh)
         if isinstance(layer.mlp, SwiGLU):
             parallelize_module(layer, tp_mesh, _mlp_plan("mlp"))

@@ -93,6 +93,9 @@ class Trainer:
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
         self.model = model if model is not None else build_model(cfg, self.device)
         self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
+        self.uses_mtp = cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
+        # before any pipeline cut prunes the model to this rank's layers
+        self.active_params = perf.active_params(self.raw_model, include_mtp=self.uses_mtp)
         self.distributed = dist.world_size() > 1
         if self.distributed:
             if parallelize_fn is None:
@@ -106,6 +109,10 @@ class Trainer:
         self.data_rank, self.data_world = (plan.data_rank, plan.data_world) if plan else (dist.rank(), dist.world_size())
         self.data_group = plan.data_group if plan else None
         self.loss_context = plan.loss_context if plan else contextlib.nullcontext
+        self.pipeline = plan.pipeline if plan else None
+        self.pp_group = plan.pp_group if plan else None
+        if self.pipeline is not None and cfg.dsa.indexer_loss_coef > 0:
+            raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
         self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
         check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
@@ -119,8 +126,6 @@ class Trainer:
         self.run_dir = Path(cfg.log.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.autocast_dtype = self._autocast_dtype()
-        self.uses_mtp = cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
-        self.active_params = perf.active_params(self.raw_model, include_mtp=self.uses_mtp)
         self.peak_flops = 0.0
         self.history: list[dict] = []
         self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
@@ -192,7 +197,8 @@ class Trainer:
         mix, seed = self.cfg.train.objectives, self.cfg.train.seed
         out = []
         for micro in range(accum):
-            objective = pick_objective(mix, seed, self.step, micro)
+            # one objective per step under pipeline parallel: a schedule call runs one batch layout
+            objective = pick_objective(mix, seed, self.step, 0 if self.pipeline is not None else micro)
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                      for k, v in self.data.next_batch(objective).items()}
             out.append((objective, batch))
@@ -214,7 +220,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loads = self.tracker.reduce(self.data_group)
         update_expert_bias(self.gates, loads, self.cfg.balance.bias_update_rate)
-        metrics.update(load_metrics(loads))
+        metrics.update(load_metrics(self._all_stages(loads)))
         self.step += 1
         return metrics
 
@@ -226,41 +232,87 @@ class Trainer:
         n_tok = sum(int((b["labels"] != IGNORE).sum()) for _, b in micro)
         n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm") \
             if self.uses_mtp else 0
-        n_tok, n_mtp = self._global([n_tok, n_mtp])
-        D = self.data_world
-        lm_sum, mtp_sum, extra = 0.0, 0.0, {}
+        n_tok, n_mtp = self._global([n_tok, n_mtp], self._replicas)
         self.tracker.reset()
+        run = self._run_pipeline if self.pipeline is not None else self._run_micro
+        lm_sum, mtp_sum, extra = run(micro, n_tok / self.data_world, n_mtp / self.data_world)
+        for _, batch in micro:
+            labels = batch["labels"][batch["labels"] != IGNORE]
+            self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
+        # logged values are global (the same on every rank, so the guard agrees): token means, and the
+        # balance terms averaged over data ranks (each rank's term is already scaled to the global one).
+        # Loss sums exist once per (data rank, tp rank): on the last pipeline stage, or per stage's layers.
+        names = sorted(self._balance_names(extra))
+        lm_sum, mtp_sum, *extras = self._global([lm_sum, mtp_sum] + [extra.get(k, 0.0) for k in names],
+                                                self.plan_tp)
+        metrics = {"loss": lm_sum / max(1, n_tok), "tokens": int(n_tok),
+                   "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
+        if n_mtp:
+            metrics["mtp_loss"] = mtp_sum / n_mtp
+        return {**metrics, **{k: v / self.data_world for k, v in zip(names, extras)}}
+
+    def _run_micro(self, micro: list[tuple[str, dict]], step_tokens: float, step_mtp: float):
+        """Forward/backward of each micro-batch in turn -> (lm sum, MTP sum, balance terms / n_micro)."""
+        cfg = self.cfg
+        lm_sum, mtp_sum, extra = 0.0, 0.0, {}
         for objective, batch in micro:
             with self.loss_context():  # forward and backward (tensor parallel: vocab-parallel loss)
                 with self._autocast():
                     res = self.micro_fn(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
                                         cfg.dsa.indexer_loss_coef, self.capture, self.data_group)
-                    loss = micro_loss(res, n_tok / D, n_mtp / D, cfg.train.mtp_weight, len(micro))
+                    loss = micro_loss(res, step_tokens, step_mtp, cfg.train.mtp_weight, len(micro))
                 loss.backward()
             lm_sum += float(res.lm_sum.detach())
             mtp_sum += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
             for k, v in res.balance.items():
                 extra[k] = extra.get(k, 0.0) + float(v.detach()) / len(micro)
             self.tracker.add(res.router_stats)
-            labels = batch["labels"][batch["labels"] != IGNORE]
-            self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
-        # logged values are global (the same on every rank, so the guard agrees): token means, and the
-        # balance terms averaged over data ranks (each rank's term is already scaled to the global one)
-        names = sorted(extra)
-        lm_sum, mtp_sum, *extras = self._global([lm_sum, mtp_sum] + [extra[k] for k in names])
-        metrics = {"loss": lm_sum / max(1, n_tok), "tokens": int(n_tok),
-                   "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
-        if n_mtp:
-            metrics["mtp_loss"] = mtp_sum / n_mtp
-        return {**metrics, **{k: v / D for k, v in zip(names, extras)}}
+        return lm_sum, mtp_sum, extra
 
-    def _global(self, values: list[float]) -> list[float]:
-        """Per-rank values summed over the data ranks (one all-reduce over all ranks, divided by the
-        number of ranks that hold each data shard: tensor/pipeline peers see the same rows)."""
+    def _run_pipeline(self, micro: list[tuple[str, dict]], step_tokens: float, step_mtp: float):
+        """The same through the pipeline schedule (one objective per step)."""
+        cfg = self.cfg
+        with self.loss_context(), self._autocast():
+            sums = self.pipeline.run([b for _, b in micro], micro[0][0] == "clm" and self.uses_mtp,
+                                     step_tokens, step_mtp, cfg.train.mtp_weight, cfg.balance, self.data_group)
+        self.pipeline.sync_tied_grads()
+        for stats in sums.stats:
+            self.tracker.add(stats)
+        return sums.lm_sum, sums.mtp_sum, sums.balance
+
+    def _all_stages(self, loads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Per-layer expert loads of every pipeline stage (for the log; each stage has its own layers)."""
+        if self.pp_group is None:
+            return loads
+        parts: list = [None] * torch.distributed.get_world_size(self.pp_group)
+        torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in loads.items()}, group=self.pp_group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    @property
+    def _replicas(self) -> int:
+        """Ranks that hold the same data shard (tensor and pipeline peers)."""
+        return dist.world_size() // self.data_world
+
+    @property
+    def plan_tp(self) -> int:
+        plan = getattr(self.model, "parallel_plan", None)
+        return plan.tp if plan else 1
+
+    def _balance_names(self, extra: dict) -> list[str]:
+        """The balance terms every rank reports (pipeline stages without MoE layers report none)."""
+        if self.pipeline is None:
+            return list(extra)
+        b = self.cfg.balance
+        return [k for k, c in (("seq_aux_loss", b.seq_aux_coef), ("aux_loss", b.aux_coef),
+                               ("z_loss", b.z_loss_coef)) if c]
+
+    def _global(self, values: list[float], replicas: int | None = None) -> list[float]:
+        """Per-rank values summed over all ranks (one all-reduce) and divided by `replicas`, the number
+        of ranks holding each value (default: every tensor/pipeline peer of a data rank)."""
         if not self.distributed:
             return list(values)
         from .parallel import sum_over_ranks
-        replicas = dist.world_size() // self.data_world
+        replicas = self._replicas if replicas is None else replicas
         return [v / replicas for v in sum_over_ranks(values)]
 
     def _sum(self, value: float) -> float:
@@ -270,9 +322,11 @@ class Trainer:
         return sum_over_ranks(value)
 
     def _grad_norm(self, params) -> torch.Tensor:
-        if self.distributed:  # sharded (DTensor) gradients on several meshes
+        if self.distributed:  # sharded (DTensor) gradients on several meshes (and pipeline stages)
             from .parallel import grad_norm as dist_grad_norm
-            return dist_grad_norm(params)
+            if self.pipeline is not None:
+                params = self.pipeline.norm_params(params)
+            return dist_grad_norm(params, self.pp_group)
         return grad_norm(params)
 
     def _clip(self, params, norm: torch.Tensor) -> None:
@@ -287,7 +341,7 @@ class Trainer:
         if stab.clip in ("global", "both"):
             if self.distributed:
                 from .parallel import clip_grad_norm_
-                clip_grad_norm_(params, stab.max_grad_norm)
+                clip_grad_norm_(params, stab.max_grad_norm, self._grad_norm(params))
             else:
                 clip_global(params, stab.max_grad_norm, norm)
 
@@ -319,19 +373,28 @@ class Trainer:
         if self.capture is not None:
             self.capture.enabled = False
         total, count, uni = 0.0, 0, 0.0
-        logp = torch.log((self.unigram + 1) / (self.unigram.sum() + self.unigram.numel()))
+        counts = self.unigram.clone()
+        if self.data_group is not None:  # fitted on the global batch's targets, as one process would
+            torch.distributed.all_reduce(counts, group=self.data_group)
+        logp = torch.log((counts + 1) / (counts.sum() + counts.numel()))
         for batch in self.data.val_batches(self.cfg.log.eval_batches):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             with self._autocast(), self.loss_context():
-                res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance)
-            total += float(res.lm_sum)
-            count += res.lm_tokens
+                if self.pipeline is not None:  # lm sum and tokens on the last stage, 0 elsewhere
+                    total += self.pipeline.run([batch], False, 1.0, 0.0, 0.0, self.cfg.balance, self.data_group,
+                                               train=False).lm_sum
+                    count += self.pipeline.lm_tokens([batch])
+                else:
+                    res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance)
+                    total += float(res.lm_sum)
+                    count += res.lm_tokens
             labels = batch["labels"][batch["labels"] != IGNORE].cpu()
             uni -= float(logp[labels].sum())
         self.model.train()
         if self.capture is not None:
             self.capture.enabled = True
-        total, uni, count = self._global([total, uni, count])  # over the data ranks' shards
+        total, count = self._global([total, count], self.plan_tp)  # over the data ranks' shards
+        uni, = self._global([uni])
         count = int(count)
         if count == 0:
             return {}
