@@ -4,7 +4,7 @@
 import pytest
 
 from glm5.core.resources import bundled
-from glm5.data.pipeline.corpus import FORTUNES, PYDOC, build
+from glm5.data.pipeline.corpus import FORTUNES, MATH_SOURCES, MAXIMA_INFO, PYDOC, build
 
 
 @pytest.mark.slow
@@ -15,3 +15,12 @@ def test_rebuild_matches_committed_snapshot(tmp_path):
     assert counts["train"] > 20_000
     for name in ("train.jsonl.gz", "validation.jsonl.gz"):
         assert (tmp_path / name).read_bytes() == bundled(f"corpus/{name}").read_bytes(), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (MAXIMA_INFO / "maxima.info-1.gz").is_file(), reason="maxima-doc is not installed")
+def test_math_set_rebuild_matches_committed_snapshot(tmp_path):
+    counts = build(tmp_path, sources=MATH_SOURCES)
+    assert counts["train"] > 100
+    for name in ("train.jsonl.gz", "validation.jsonl.gz"):
+        assert (tmp_path / name).read_bytes() == bundled(f"corpus-math/{name}").read_bytes(), name

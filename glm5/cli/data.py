@@ -54,14 +54,17 @@ def stats_main(argv: list[str]) -> int:
 def corpus_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="glm5 data corpus",
                                  description="Rebuild the bundled corpus (bundled:corpus) from Debian packages.")
-    ap.add_argument("--out", default="bundled:corpus", help="output directory (default: the bundled corpus)")
+    ap.add_argument("--set", choices=["main", "math"], default="main",
+                    help="main: the bundled corpus; math: the Maxima manual (bundled:corpus-math)")
+    ap.add_argument("--out", default=None, help="output directory (default: the set's bundled directory)")
     ap.add_argument("--validation-fraction", type=float, default=0.02)
     args = ap.parse_args(argv)
-    from glm5.data.pipeline.corpus import build
+    from glm5.core.resources import package_dir, resolve_path
+    from glm5.data.pipeline.corpus import SETS, build
 
-    from glm5.core.resources import resolve_path
-
-    print(build(resolve_path(args.out), args.validation_fraction))
+    out = resolve_path(args.out) if args.out else package_dir("data", "assets",
+                                                              {"main": "corpus", "math": "corpus-math"}[args.set])
+    print(build(out, args.validation_fraction, SETS[args.set]))
     return 0
 
 

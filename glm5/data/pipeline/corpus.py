@@ -3,7 +3,8 @@
 Sources (install: `apt-get install python3.11-doc debian-reference-en debian-reference-zh-cn manpages-zh
 fortunes fortunes-zh`): Python 3.11 documentation (reST sources), Debian Reference (English and
 Simplified Chinese), Chinese man pages (rendered with man-db/groff), BSD fortunes, Chinese fortunes and
-Tang/Song poems, and the CPython standard library (code). Each source has a byte budget; files are
+Tang/Song poems, and the CPython standard library (code); apart from those, the Maxima manual (math,
+`apt-get install maxima-doc`) as `bundled:corpus-math`. Each source has a byte budget; files are
 picked in a fixed hash order, so the same packages always give the same snapshot. The split into
 train/validation is a hash of the document id. Only format markup is removed here (ANSI colour codes in
 fortunes); everything else is left for `glm5 data run` to clean, so the pipeline has real work to do.
@@ -31,6 +32,7 @@ PYDOC = Path("/usr/share/doc/python3.11/html/_sources")
 DEBREF = Path("/usr/share/debian-reference")
 MANZH = Path("/usr/share/man/zh_CN")
 STDLIB = Path("/usr/lib/python3.11")
+MAXIMA_INFO = Path("/usr/share/info")
 ZH_FORTUNES = ("chinese", "tang300", "song100")
 SKIP_FORTUNES = ZH_FORTUNES + ("pratchett",)  # pratchett: 1 entry, placeholder file in Debian
 
@@ -43,7 +45,7 @@ class Source:
     package: str  # Debian package the text comes from
     licence: str  # licence of the text, from the package's copyright file
     lang: str  # "en" | "zh" | "code"
-    domain: str  # coarse domain label: tech | code | literature | quotes
+    domain: str  # coarse domain label: tech | code | literature | quotes | math
     budget: int  # max UTF-8 bytes taken from this source
     docs: Callable[[], Iterator[tuple[str, str]]] = field(repr=False)  # yields (doc key, text)
 
@@ -122,6 +124,19 @@ def stdlib_code() -> Iterator[tuple[str, str]]:
         yield str(p.relative_to(STDLIB)), p.read_text(encoding="utf-8", errors="replace")
 
 
+def maxima_manual() -> Iterator[tuple[str, str]]:
+    """The Maxima reference manual (info format): one document per info node (function descriptions,
+    worked examples with `(%i1)` inputs and 2D-printed outputs), in the manual's order."""
+    for path in sorted(MAXIMA_INFO.glob("maxima.info-*.gz"), key=lambda p: int(p.name.split("-")[1][:-3])):
+        text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+        for i, node in enumerate(text.split("\x1f")):
+            node = node.lstrip("\n")
+            if node.startswith("File:"):  # the info navigation line ("File: ..., Node: ..., Next: ...")
+                node = node.partition("\n")[2]
+            if len(node.strip()) > 200:  # skip menus and tiny index nodes
+                yield f"{path.name}#{i}", node.strip("\n") + "\n"
+
+
 def package_version(package: str) -> str:
     try:
         out = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True)
@@ -146,6 +161,15 @@ SOURCES = [
     Source(name="cpython-stdlib", package="libpython3.11-stdlib", licence="PSF-2.0 (Python Software Foundation License)",
            lang="code", domain="code", budget=4_000_000, docs=stdlib_code),
 ]
+
+
+# The math set (seed D4's 60/30/10 general/code/math mixture) is bundled apart (`bundled:corpus-math`), so
+# adding it left the main snapshot byte-identical: `glm5 data corpus --set math`.
+MATH_SOURCES = [
+    Source(name="maxima-manual", package="maxima-doc", licence="GPL-2 (Maxima; see its copyright file)",
+           lang="en", domain="math", budget=1_500_000, docs=maxima_manual),
+]
+SETS = {"main": SOURCES, "math": MATH_SOURCES}
 
 
 def collect(source: Source) -> list[dict]:
@@ -177,13 +201,14 @@ def _write_jsonl_gz(path: Path, docs: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def build(out_dir: str | Path, validation_fraction: float = 0.02) -> dict:
-    """Assemble every source, split by id hash, write `train/validation.jsonl.gz` + PROVENANCE.md."""
+def build(out_dir: str | Path, validation_fraction: float = 0.02, sources: list[Source] | None = None) -> dict:
+    """Assemble every source (default: the main set), split by id hash, write `train/validation.jsonl.gz` +
+    PROVENANCE.md."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     splits: dict[str, list[dict]] = {"train": [], "validation": []}
     rows = []
-    for src in SOURCES:
+    for src in SOURCES if sources is None else sources:
         docs = collect(src)
         n_bytes = sum(len(d["text"].encode("utf-8")) for d in docs)
         n_dup = len(docs) - len({d["text"] for d in docs})
@@ -201,7 +226,8 @@ def provenance(rows, splits: dict[str, list[dict]], validation_fraction: float) 
     lines = [
         "# Bundled corpus: provenance", "",
         "Built by `glm5 data corpus` (logic: `glm5/data/pipeline/corpus.py`) from Debian 12",
-        "packages. Documents are real text; the only change is removing ANSI colour codes from fortunes.",
+        "packages. Documents are real text; the only changes are removing ANSI colour codes (fortunes) and",
+        "info navigation lines (the Maxima manual).",
         "Exact duplicates are the ones the packages contain (the same fortune in two files, for example).",
         f"Split: validation = sha1(id) < {validation_fraction} (fixed, deterministic).", "",
         "| source | Debian package | version | licence | lang | domain | docs | MB (UTF-8) | exact dup docs |",
