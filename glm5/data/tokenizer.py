@@ -32,6 +32,8 @@ SPECIAL_TOKENS = (
     "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
 )
+# Fill-in-the-middle sentinels (a code tokenizer trained with `fim_tokens = true`; Qwen-coder's spelling).
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 # A GLM turn ends when the model emits one of these (GLM-5 generation_config: eos_token_id list).
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -74,7 +76,7 @@ class GLMTokenizer:
         self.tok = tokenizer
         self.config = dict(config or {})
         vocab = tokenizer.get_vocab(with_added_tokens=True)
-        self.special_tokens = {t: vocab[t] for t in SPECIAL_TOKENS if t in vocab}  # the GLM ones present
+        self.special_tokens = {t: vocab[t] for t in (*SPECIAL_TOKENS, *FIM_TOKENS) if t in vocab}
         # The tokenizer's own template, else GLM's default when the vocabulary has GLM's chat tokens.
         self.chat_template = chat_template or (ct.default_chat_template() if not self.missing(CHAT) else None)
         self.eos_token_ids = self._eos_ids(vocab)
@@ -217,7 +219,8 @@ class GLMTokenizer:
         defaults = {"clean_up_tokenization_spaces": False, "do_lower_case": False, "model_max_length": 131072,
                     "padding_side": "left", "tokenizer_class": "PreTrainedTokenizerFast"}
         if not self.missing(CHAT):
-            defaults.update(additional_special_tokens=[t for t in SPECIAL_TOKENS if t in self.special_tokens],
+            defaults.update(additional_special_tokens=[t for t in (*SPECIAL_TOKENS, *FIM_TOKENS)
+                                                        if t in self.special_tokens],
                             eos_token=EOS_TOKENS[0], pad_token=PAD_TOKEN)
         for key, value in defaults.items():
             out.setdefault(key, value)

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from glm5.core.config import load_cli_config, to_dict
 from glm5.core.io import atomic_dir
 from glm5.core.resources import resolve_path
-from glm5.data.tokenizer import PREFIX_TOKENS, SPECIAL_TOKENS, GLMTokenizer
+from glm5.data.tokenizer import FIM_TOKENS, PREFIX_TOKENS, SPECIAL_TOKENS, GLMTokenizer
 
 # GLM-4 / GLM-5 pre-tokenizer: contractions, letters with one leading non-letter, 1-3 digit groups,
 # punctuation runs (+ newlines), newline runs, spaces.
@@ -44,6 +44,11 @@ class TokenizerTrainConfig:
     indent_widths: list[int] = field(default_factory=lambda: [4, 8, 12, 16])
     """Seed D4: a newline + this many spaces becomes one token each ([] to disable). Anchoring on the
     newline keeps them to line-start indentation, so mid-line space runs stay with the BPE."""
+    code_tokens: list[str] = field(default_factory=list)
+    """Seed D4: bracket/operator strings that become single tokens, matched before the BPE like the
+    indentation tokens (e.g. "()", "):", "==", "->"); see docs/code.md for what they buy."""
+    fim_tokens: bool = False
+    """Add the fill-in-the-middle sentinels <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> (special)."""
     max_docs: int = 0
     """Train on at most this many documents (0 = all)."""
     model_max_length: int = 131072
@@ -104,17 +109,20 @@ def build_empty_tokenizer() -> Tokenizer:
 def train_tokenizer(cfg: TokenizerTrainConfig, texts=None) -> GLMTokenizer:
     """Train the BPE on `texts` (default: the config's inputs) and attach the GLM special tokens."""
     indents = ["\n" + " " * w for w in sorted(set(cfg.indent_widths), reverse=True)]
-    n_bpe = cfg.vocab_size - len(SPECIAL_TOKENS) - len(indents)
+    added = indents + [t for t in dict.fromkeys(cfg.code_tokens) if t and t not in indents]
+    specials = [*(FIM_TOKENS if cfg.fim_tokens else ()), *SPECIAL_TOKENS]
+    n_bpe = cfg.vocab_size - len(specials) - len(added)
     if n_bpe < 256 + 64:
         raise ValueError(f"vocab_size {cfg.vocab_size} leaves only {n_bpe} BPE ids (need > 320)")
     tok = build_empty_tokenizer()
     trainer = trainers.BpeTrainer(vocab_size=n_bpe, min_frequency=cfg.min_frequency, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = texts if texts is not None else iter_texts(cfg.inputs, cfg.max_docs)
-    tok.train_from_iterator(split_on_added(texts, indents), trainer)
-    # Indentation tokens are plain added tokens: matched before BPE (leftmost-longest), decoded verbatim.
-    tok.add_tokens([AddedToken(s, normalized=False, special=False) for s in indents])
-    tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIAL_TOKENS])
+    tok.train_from_iterator(split_on_added(texts, added), trainer)
+    # Indentation and code tokens are plain added tokens: matched before BPE (leftmost-longest), decoded
+    # verbatim. GLM's special tokens take the last ids (the FIM sentinels, if any, just before them).
+    tok.add_tokens([AddedToken(s, normalized=False, special=False) for s in added])
+    tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in specials])
     prefix = " ".join(PREFIX_TOKENS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{prefix} $A", pair=f"{prefix} $A $B",

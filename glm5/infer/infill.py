@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from glm5.data.infilling import InfillLayout, InfillTokens, infill_prompt
+from glm5.data.tokenizer import FIM_TOKENS as GLM5_FIM_TOKENS
 
 InfillFormat = Literal["glm", "spm", "psm"]
 # Sentinel spellings, in the order they are looked up: (prefix, suffix, middle)
-FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+FIM_TOKENS = (GLM5_FIM_TOKENS, ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
 GLM_TOKENS = ("[MASK]", "[sMASK]", "[gMASK]", "<sop>", "<eop>")
 
 
