@@ -21,9 +21,9 @@ BASE = 1000
 SPECIAL = {"<|endoftext|>": 1, "[MASK]": 2, "[sMASK]": 3, "[gMASK]": 4, "<sop>": 5, "<eop>": 6}
 
 
-def make_shards(path, n_docs=60, groups=("general", "code"), seed=0, vocab=70000, part_tokens=1500):
+def make_shards(path, n_docs=60, groups=("general", "code"), seed=0, vocab=70000, part_tokens=1500, special=None):
     rng = np.random.default_rng(seed)
-    meta = {"special_tokens": SPECIAL, "pad_token_id": 0, "eos_token_id": 1,
+    meta = {"special_tokens": special or SPECIAL, "pad_token_id": 0, "eos_token_id": 1,
             "sentence_end_ids": list(range(BASE, BASE + 60000, 7))}
     w = ShardWriter(path, vocab, meta, max_tokens_per_part=part_tokens)
     docs, off = [], 0
@@ -327,3 +327,58 @@ def test_long_documents_stage(corpus):
     with pytest.raises(ValueError, match="no document"):
         PackedLoader(DataLoaderConfig(train_path=str(path), stages=[StageConfig(min_doc_tokens=10**6)]),
                      rank=0, world_size=1).next_batch()
+
+
+FIM = {"<|fim_prefix|>": 7, "<|fim_suffix|>": 8, "<|fim_middle|>": 9}
+
+
+def test_fim_rows_rebuild_their_documents(tmp_path):
+    """Every FIM piece, put back in prefix + middle + suffix order, is a contiguous run of one document;
+    SPM and PSM both occur; the middle ends with <|endoftext|>; causal labels on every token."""
+    docs = make_shards(tmp_path / "train", n_docs=80, special={**SPECIAL, **FIM})
+    where = locate(docs)
+    loader = PackedLoader(DataLoaderConfig(train_path=str(tmp_path / "train"), batch_size=6, seq_len=96, seed=2),
+                          rank=0, world_size=1)
+    batch = loader.next_batch("fim")
+    assert "attention_mask" not in batch  # FIM is causal
+    orders = Counter()
+    for r in range(6):
+        ids, seg, lab = batch["input_ids"][r], batch["segment_ids"][r], batch["labels"][r]
+        for s in seg.unique().tolist():
+            piece = ids[seg == s].tolist()
+            if s == 0 or FIM["<|fim_middle|>"] not in piece:
+                continue
+            assert torch.equal(lab[seg == s][:-1], ids[seg == s][1:])  # causal, aligned
+            mid_at = piece.index(FIM["<|fim_middle|>"])
+            head, middle = piece[:mid_at], piece[mid_at + 1:]
+            assert middle[-1] == SPECIAL["<|endoftext|>"]
+            middle = middle[:-1]
+            if head[0] == FIM["<|fim_suffix|>"]:  # SPM: <suf> suffix <pre> prefix
+                k = head.index(FIM["<|fim_prefix|>"])
+                suffix, prefix = head[1:k], head[k + 1:]
+                orders["spm"] += 1
+            else:  # PSM: <pre> prefix <suf> suffix
+                k = head.index(FIM["<|fim_suffix|>"])
+                prefix, suffix = head[1:k], head[k + 1:]
+                orders["psm"] += 1
+            whole = prefix + middle + suffix
+            d, p = where[whole[0]]
+            assert whole == docs[d][p:p + len(whole)].tolist()
+    assert orders["spm"] > 0 and orders["psm"] > 0
+    make_shards(tmp_path / "plain", n_docs=10)  # the module's SPECIAL: no FIM tokens
+    with pytest.raises(ValueError, match="fim_tokens"):
+        PackedLoader(DataLoaderConfig(train_path=str(tmp_path / "plain")), 0, 1).next_batch("fim")
+
+
+def test_named_groups_split_weights_by_tokens(corpus):
+    """The seeds' 60/30/10-style mixture over named groups of domains."""
+    path, docs = corpus
+    sh = TokenShards(path)
+    tokens = {g: int(sh.doc_len[d].sum()) for g, d in sh.groups("domain").items()}
+    cfg = DataLoaderConfig(train_path=str(path), groups={"prose": ["general"], "both": ["general", "code"]},
+                           weights={"prose": 0.5, "both": 0.5})
+    probs = PackedLoader(cfg, rank=0, world_size=1)._probs(cfg.stage_at(0))
+    share = tokens["general"] / (tokens["general"] + tokens["code"])
+    assert probs.tolist() == pytest.approx([0.5 * (1 - share), 0.5 + 0.5 * share])  # [code, general]
+    with pytest.raises(ValueError, match="groups.m"):
+        PackedLoader(DataLoaderConfig(train_path=str(path), groups={"m": ["math"]}, weights={"m": 1.0}), 0, 1)

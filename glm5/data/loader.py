@@ -72,10 +72,22 @@ class DataLoaderConfig:
     """Fraction of rows trained with GLM blank infilling (seed M4) instead of causal LM."""
     infill: InfillConfig = field(default_factory=InfillConfig)
     """Blank-infilling settings."""
+    fim_spm_ratio: float = 0.5
+    """"fim" batches (fill-in-the-middle with sentinel tokens, causal): fraction of pieces in SPM order
+    (suffix first, as `glm5 serve` prompts it by default), the rest in PSM order."""
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    """Named groups of `mix_by` values that mixture weights may refer to, e.g. the seeds' code mixture
+    {general = ["tech", "quotes", "literature"], code = ["code"], math = ["math"]} with weights
+    {general = 0.6, code = 0.3, math = 0.1}; a group's weight is split over its values by tokens."""
 
     def __post_init__(self):
         if not 0.0 <= self.infill_ratio <= 1.0:
             raise ValueError("infill_ratio must be in [0, 1]")
+        if not 0.0 <= self.fim_spm_ratio <= 1.0:
+            raise ValueError("fim_spm_ratio must be in [0, 1]")
+        for name, members in self.groups.items():
+            if not members:
+                raise ValueError(f"groups.{name}: lists no {self.mix_by} values")
         if self.batch_size < 1 or self.seq_len < 2:
             raise ValueError("batch_size must be >= 1 and seq_len >= 2")
         for i, st in enumerate(self.stages):
@@ -231,6 +243,8 @@ class PackedLoader:
             if all(t in special for t in ("[MASK]", "[sMASK]", "[gMASK]", "<sop>", "<eop>")) else None
         if cfg.infill_ratio > 0 and self.infill_ids is None:
             raise ValueError(f"infill_ratio > 0 but {cfg.train_path}/meta.json lacks GLM mask token ids")
+        fim = [special.get(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>")]
+        self.fim_ids = tuple(fim) if all(i is not None for i in fim) else None
         self.sentence_end_ids = self.shards.sentence_end_ids
         self.step, self.rows, self.manual_step = 0, 0, False
         for st in cfg.stages or [cfg.stage_at(0)]:
@@ -240,14 +254,30 @@ class PackedLoader:
         if not stage.weights:
             w = np.array([self.group_tokens[g] for g in self.group_names], dtype=np.float64)
         else:
-            unknown = sorted(set(stage.weights) - set(self.group_names))
-            if unknown:
-                raise ValueError(f"mixture weights name {unknown}, but the data's {self.cfg.mix_by} "
-                                 f"values are {self.group_names}")
-            w = np.array([stage.weights.get(g, 0.0) for g in self.group_names], dtype=np.float64)
+            w = np.array([self._weight(stage.weights, g) for g in self.group_names], dtype=np.float64)
         if w.sum() <= 0 or w.min() < 0:
             raise ValueError(f"mixture weights must be >= 0 with a positive sum, got {stage.weights}")
         return w / w.sum()
+
+    def _weight(self, weights: dict[str, float], value: str) -> float:
+        """A data value's share: its own weight, plus for each named group holding it, the group's weight
+        times the value's share of the group's tokens."""
+        known = set(self.group_names) | set(self.cfg.groups)
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise ValueError(f"mixture weights name {unknown}, but the data's {self.cfg.mix_by} values are "
+                             f"{self.group_names} and the named groups {sorted(self.cfg.groups)}")
+        for name, members in self.cfg.groups.items():
+            missing = sorted(set(members) - set(self.group_names))
+            if missing and weights.get(name, 0) > 0:
+                raise ValueError(f"groups.{name} lists {missing}, not among the data's {self.cfg.mix_by} "
+                                 f"values {self.group_names}")
+        w = weights.get(value, 0.0)
+        for name, members in self.cfg.groups.items():
+            if value in members and weights.get(name, 0) > 0:
+                total = sum(self.group_tokens.get(m, 0) for m in members)
+                w += weights[name] * self.group_tokens[value] / total
+        return w
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
@@ -257,13 +287,16 @@ class PackedLoader:
         """Tell the loader the training step (curriculum stage); without it, one batch = one step."""
         self.step, self.manual_step = int(step), True
 
-    def next_batch(self, objective: Literal["clm", "glm"] | None = None) -> dict[str, torch.Tensor]:
-        """The next batch. `objective` forces every row to causal LM ("clm") or blank infilling
-        ("glm"); None draws each row's objective with `infill_ratio`."""
-        if objective not in (None, "clm", "glm"):
-            raise ValueError(f"objective must be None, 'clm' or 'glm', got {objective!r}")
+    def next_batch(self, objective: Literal["clm", "glm", "fim"] | None = None) -> dict[str, torch.Tensor]:
+        """The next batch. `objective` forces every row to causal LM ("clm"), blank infilling ("glm") or
+        sentinel fill-in-the-middle ("fim", causal); None draws each row's objective with `infill_ratio`."""
+        if objective not in (None, "clm", "glm", "fim"):
+            raise ValueError(f"objective must be None, 'clm', 'glm' or 'fim', got {objective!r}")
         if objective == "glm" and self.infill_ids is None:
             raise ValueError("objective 'glm' needs the shards' [MASK]/<sop>/<eop> ids (special_tokens in meta)")
+        if objective == "fim" and self.fim_ids is None:
+            raise ValueError("objective 'fim' needs a tokenizer with <|fim_prefix|>/<|fim_suffix|>/<|fim_middle|> "
+                             "(train one with `glm5 data tokenizer --fim_tokens=true`) in the shards' meta")
         stage = self.cfg.stage_at(self.step)
         probs = self._probs(stage)
         B = self.cfg.batch_size
@@ -290,6 +323,8 @@ class PackedLoader:
                 stream.skip_shorter(stage.min_doc_tokens)
             if infill and row.room >= self.cfg.infill.min_tokens + 2:
                 self._add_infill(row, stream, rng)
+            elif objective == "fim" and row.room >= FIM_MIN_TOKENS + 4:
+                self._add_fim(row, stream, rng)
             else:
                 self._add_causal(row, stream)
         return row
@@ -321,6 +356,22 @@ class PackedLoader:
         row.add(sample.input_ids, sample.labels, sample.position_ids, sample.block_position_ids, sample.sep)
         stream.advance(n, len(rest))
 
+    def _add_fim(self, row: Row, stream: DocStream, rng: np.random.Generator) -> None:
+        """A document piece as prefix/middle/suffix around two uniform cut points (token level), in SPM or
+        PSM order with the sentinels, the middle ended by <|endoftext|>; causal loss on every token."""
+        _, rest = stream.current()
+        n = min(len(rest), row.room - 4)  # three sentinels + the end token
+        if n < FIM_MIN_TOKENS:
+            self._add_causal(row, stream)
+            return
+        spm = rng.random() < self.cfg.fim_spm_ratio
+        i, j = np.sort(rng.integers(0, n, size=2, endpoint=True))
+        if row.store:
+            row.add_causal(fim_sample(np.asarray(rest[:n], dtype=np.int64), int(i), int(j), self.fim_ids, spm))
+        else:
+            row.add(np.empty(n + 4), None, None)
+        stream.advance(n, len(rest))
+
     def state_dict(self) -> dict:
         return {"step": self.step, "rows": self.rows, "manual_step": self.manual_step, "rank": self.rank,
                 "world_size": self.world, "seed": self.cfg.seed, "mix_by": self.cfg.mix_by,
@@ -338,6 +389,18 @@ class PackedLoader:
         self.manual_step = bool(state.get("manual_step", False))
         for g, s in state["streams"].items():
             self.streams[g].load(s)
+
+
+FIM_MIN_TOKENS = 8  # shorter pieces (document tails) stay plain causal LM
+
+
+def fim_sample(tokens: np.ndarray, i: int, j: int, ids: tuple[int, int, int, int], spm: bool) -> np.ndarray:
+    """prefix = tokens[:i], middle = tokens[i:j], suffix = tokens[j:] laid out as glm5.infer.infill prompts them:
+    SPM `<suf> suffix <pre> prefix <mid> middle <end>`, PSM `<pre> prefix <suf> suffix <mid> middle <end>`."""
+    pre, suf, mid, end = ids
+    p, m, s = tokens[:i], tokens[i:j], tokens[j:]
+    parts = ([suf], s, [pre], p) if spm else ([pre], p, [suf], s)
+    return np.concatenate([*[np.asarray(x, dtype=np.int64) for x in parts], [mid], m, [end]]).astype(np.int64)
 
 
 def collate(rows: list[Row], with_mask: bool) -> dict[str, torch.Tensor]:

@@ -81,7 +81,8 @@ class TrainSection:
     batch_ramp_steps: int = 0
     """Steps over which the global batch grows to micro_batch * world * grad_accum."""
     objectives: dict[str, float] = field(default_factory=lambda: {"clm": 1.0})
-    """Objective mix by ratio per micro-batch: `clm` (causal LM), `glm` (GLM blank infilling)."""
+    """Objective mix by ratio per micro-batch: `clm` (causal LM), `glm` (GLM blank infilling), `fim`
+    (sentinel fill-in-the-middle, causal; needs a tokenizer with FIM tokens)."""
     mtp_weight: float = 0.3
     """Weight of the multi-token-prediction loss (0 = do not run the MTP layer)."""
     time_limit_min: float = 0.0
@@ -219,8 +220,8 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
-        unknown = set(self.train.objectives) - {"clm", "glm"}
+        unknown = set(self.train.objectives) - {"clm", "glm", "fim"}
         if unknown:
-            raise ValueError(f"train.objectives: unknown objective(s) {sorted(unknown)}; use clm, glm")
+            raise ValueError(f"train.objectives: unknown objective(s) {sorted(unknown)}; use clm, glm, fim")
         if self.train.grad_accum < 1 or self.train.steps < 1:
             raise ValueError("train.steps and train.grad_accum must be >= 1")

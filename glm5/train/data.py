@@ -95,6 +95,8 @@ class SyntheticData(DataSource):
         return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
 
     def next_batch(self, objective: str) -> dict:
+        if objective not in ("clm", "glm"):
+            raise ValueError(f"synthetic data has no {objective!r} batches (clm and glm only)")
         make = self._glm if objective == "glm" else self._clm
         B = self.micro_batch_size
         first = self.index + self.rank * B

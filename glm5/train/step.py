@@ -60,7 +60,7 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
     if capture is not None:
         capture.clear()
     cfg = getattr(model, "config", None)
-    use_mtp = mtp_weight > 0 and objective == "clm" and getattr(cfg, "num_nextn_predict_layers", 0) > 0
+    use_mtp = mtp_weight > 0 and objective in ("clm", "fim") and getattr(cfg, "num_nextn_predict_layers", 0) > 0
     out = model(**inputs, return_mtp=use_mtp)
     labels = batch["labels"]
     res = MicroResult(lm_sum=ce_sum(out.logits, labels), lm_tokens=int((labels != IGNORE).sum()),
