@@ -51,19 +51,21 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _submit(self, prompts, sampling_params, infill: InfillLayout | None = None) -> list[str]:
+    def _submit(self, prompts, sampling_params, infill: InfillLayout | list[InfillLayout | None] | None = None
+                ) -> list[str]:
         prompts = self._as_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        layouts = infill if isinstance(infill, list) else [infill] * len(prompts)
+        if len(params) != len(prompts) or len(layouts) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params / {len(layouts)} layouts for {len(prompts)} prompts")
         ids = []
-        for p, sp in zip(prompts, params):
+        for p, sp, layout in zip(prompts, params, layouts):
             rid = f"llm-{next(self._ids)}"
             sp = sp or self.engine.default_sampling_params()  # the model's generation_config.json defaults
             if isinstance(p, str):
                 self.engine.add_request(rid, prompt=p, params=sp)
             else:
-                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp, infill=infill)
+                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp, infill=layout)
             ids.append(rid)
         return ids
 
@@ -110,21 +112,28 @@ class LLM:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kw)
         return self.generate([list(ids)], sampling_params)[0]
 
-    def infill(self, prefix: str, suffix: str, sampling_params: SamplingParams | None = None, *,
-               extra: list[tuple[str, str]] = (), format: InfillFormat | Literal["auto"] = "auto",
-               truncate: bool = True) -> RequestOutput:
+    def infill(self, prefix: str | list[str], suffix: str | list[str], sampling_params: SamplingParams | None = None,
+               *, extra: list[tuple[str, str]] = (), format: InfillFormat | Literal["auto"] = "auto",
+               truncate: bool = True) -> RequestOutput | list[RequestOutput]:
         """Fill the gap between `prefix` and `suffix` (code completion; see glm5/infer/infill.py for the
-        GLM blank-infilling and sentinel-FIM formats). `extra`: (filename, text) context files. Beam
-        search when `sampling_params.use_beam_search`."""
+        GLM blank-infilling and sentinel-FIM formats). Lists of prefixes and suffixes run as one batch and
+        give a list. `extra`: (filename, text) context files. Beam search when `use_beam_search`."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: infilling needs one")
+        single = isinstance(prefix, str)
+        prefixes, suffixes = ([prefix], [suffix]) if single else (list(prefix), list(suffix))
+        if len(prefixes) != len(suffixes):
+            raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes")
         params = sampling_params or SamplingParams()
         fmt = choose_format(self.tokenizer, self.engine.model_config.block_position_embedding, format)
         room = self.engine.config.max_model_len - (params.max_tokens or self.engine.config.max_model_len // 2)
-        ip = build_infill(self.tokenizer, fmt, prefix, suffix, room=room, extra=list(extra), truncate=truncate)
+        ips = [build_infill(self.tokenizer, fmt, p, s, room=room, extra=list(extra), truncate=truncate)
+               for p, s in zip(prefixes, suffixes)]
         if params.use_beam_search:
-            return self._beam_one(None, ip.token_ids, params, ip.layout)
-        return self._generate([ip.token_ids], params, ip.layout)[0]
+            outs = [self._beam_one(None, ip.token_ids, params, ip.layout) for ip in ips]
+        else:
+            outs = self._generate([ip.token_ids for ip in ips], params, [ip.layout for ip in ips])
+        return outs[0] if single else outs
 
     # ---- beam search ----------------------------------------------------------------------------
     def beam_search(self, prompts, params: SamplingParams) -> list[RequestOutput]:
