@@ -105,3 +105,24 @@ def test_missing_tokenizer_file_is_reported(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path)
+
+
+def test_code_and_fim_tokens(tmp_path):
+    """D4 options: bracket/operator strings become single tokens; FIM sentinels sit just before GLM's
+    special tokens, which keep the last ids; both survive save/load (what transformers reads too)."""
+    texts = ["def f(a, b):\n    return a == b\n", "x = [] if y != {} else ()\n"] * 50
+    cfg = TokenizerTrainConfig(vocab_size=400, code_tokens=["==", "()", "!="], fim_tokens=True)
+    tok = train_tokenizer(cfg, texts=iter(texts))
+    assert tok.vocab_size <= 400
+    fim = [tok.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")]
+    first_glm = tok.token_to_id(SPECIAL_TOKENS[0])
+    assert fim == [first_glm - 3, first_glm - 2, first_glm - 1]
+    assert tok.token_to_id(SPECIAL_TOKENS[-1]) == tok.vocab_size - 1
+    for s in ("==", "()", "!="):
+        assert len(tok.encode(s)) == 1
+    text = "<|fim_suffix|>b\n<|fim_prefix|>def f():\n    a == ()<|fim_middle|>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and fim[1] in ids
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert again.special_tokens["<|fim_middle|>"] == fim[2] and again.encode(text) == ids

@@ -124,7 +124,7 @@ class LLM:
         prefixes, suffixes = ([prefix], [suffix]) if single else (list(prefix), list(suffix))
         if len(prefixes) != len(suffixes):
             raise ValueError(f"{len(prefixes)} prefixes but {len(suffixes)} suffixes")
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.engine.default_sampling_params()
         fmt = choose_format(self.tokenizer, self.engine.model_config.block_position_embedding, format)
         room = self.engine.config.max_model_len - (params.max_tokens or self.engine.config.max_model_len // 2)
         ips = [build_infill(self.tokenizer, fmt, p, s, room=room, extra=list(extra), truncate=truncate)
