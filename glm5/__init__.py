@@ -9,6 +9,8 @@ _LAZY = {
     "ModelConfig": "glm5.model.config",
     "GLM5ForCausalLM": "glm5.model.model",
     "from_pretrained": "glm5.finetune.adapters",  # HF checkpoint (+ adapter=DIR)
+    "save_pretrained": "glm5.model.hf_adapter",  # save_pretrained(model, dir, max_shard_size="5GB")
+    "GenerationConfig": "glm5.model.generation_config",
     "LLM": "glm5.infer.llm",
     "SamplingParams": "glm5.infer.sampling",
 }

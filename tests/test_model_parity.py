@@ -1,9 +1,14 @@
 """Logit parity with transformers' GlmMoeDsaForCausalLM (eager, fp32), both checkpoint directions."""
 
+import json
+
 import pytest
 import torch
 
+import glm5
+from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import from_pretrained, save_pretrained
+from glm5.model.model import GLM5ForCausalLM
 
 from ._tiny import tiny_model
 
@@ -56,9 +61,10 @@ def test_hf_save_glm5_load(corner, tmp_path):
 
 def test_sharded_round_trip_with_mtp(tmp_path):
     ours = tiny_model(seed=3, num_nextn_predict_layers=1, index_topk=4)
-    save_pretrained(ours, tmp_path, max_shard_size="200KB")
+    ours.save_pretrained(tmp_path, max_shard_size="200KB")  # the HF method names
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    back = from_pretrained(tmp_path)
+    back = GLM5ForCausalLM.from_pretrained(tmp_path)
+    assert type(back) is GLM5ForCausalLM
     x = torch.randint(2, 512, (1, 17))
     with torch.no_grad():
         a, b = ours(x, return_mtp=True), back(x, return_mtp=True)
@@ -66,3 +72,68 @@ def test_sharded_round_trip_with_mtp(tmp_path):
     hf = _hf(tmp_path)  # transformers ignores the MTP layer, like GLM-5's layers.78
     with torch.no_grad():
         assert (hf(x).logits - a.logits).abs().max() <= 1e-4
+
+
+# Options transformers' glm_moe_dsa has no notion of: it would load such a checkpoint and compute other logits.
+NON_HF = {
+    "softmax": dict(scoring_func="softmax"),
+    "router_temperature": dict(router_temperature=2.0),
+    "capacity": dict(moe_capacity_factor=0.5),
+    "soft_moe": dict(moe_type="soft"),
+    "window": dict(sparse_attention="window", window_size=4, window_global_every=8, window_routed_blocks=1,
+                   window_block_size=4),
+    "block_positions": dict(block_position_embedding=True),
+    "half_split_rope": dict(rope_interleave=False),
+}
+
+
+@pytest.mark.parametrize("option", list(NON_HF))
+def test_non_hf_options_get_their_own_model_type(option, tmp_path):
+    ours = tiny_model(seed=4, bias_std=0.2, index_topk=5, **NON_HF[option])
+    glm5.save_pretrained(ours, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["model_type"], cfg["architectures"]) == ("glm5_ext", ["Glm5ExtForCausalLM"])
+    with pytest.raises((ValueError, KeyError)):  # transformers refuses rather than computing something else
+        _hf(tmp_path)
+    x = torch.randint(2, 512, (2, 21))
+    with torch.no_grad():
+        assert torch.equal(GLM5ForCausalLM.from_pretrained(tmp_path)(x).logits, ours(x).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", list(NON_HF))
+def test_non_hf_options_would_load_wrong_under_the_hf_label(option, tmp_path):
+    """Why the label: relabelled `glm_moe_dsa`, transformers loads such a checkpoint and computes other logits."""
+    ours = tiny_model(seed=4, bias_std=0.2, index_topk=5, **NON_HF[option])
+    ours.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    x = torch.randint(2, 512, (2, 21))
+    with torch.no_grad():
+        assert (_hf(tmp_path)(x).logits - ours(x).logits).abs().max() > 1e-3
+
+
+def test_training_only_option_stays_glm_moe_dsa(tmp_path):
+    ours = tiny_model(seed=5, index_topk=5, expert_dropout=0.1)  # dropout acts in training only
+    ours.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "glm_moe_dsa"
+    x = torch.randint(2, 512, (1, 15))
+    with torch.no_grad():
+        assert (_hf(tmp_path)(x).logits - ours(x).logits).abs().max() <= 1e-4
+
+
+def test_generation_config_round_trips_through_transformers(tmp_path):
+    ours = tiny_model(seed=6, index_topk=5)
+    ours.generation_config.temperature, ours.generation_config.top_p = 0.6, 0.95
+    ours.save_pretrained(tmp_path / "a")
+    hf_gen = transformers.GenerationConfig.from_pretrained(tmp_path / "a")
+    assert (hf_gen.eos_token_id, hf_gen.pad_token_id, hf_gen.temperature, hf_gen.top_p) == ([1], 0, 0.6, 0.95)
+    hf = _hf(tmp_path / "a")
+    hf.generation_config.temperature, hf.generation_config.top_k = 0.7, 20  # written by transformers
+    assert hf.generation_config.do_sample  # ours wrote do_sample: true with the sampling values
+    hf.save_pretrained(tmp_path / "b")
+    back = GLM5ForCausalLM.from_pretrained(tmp_path / "b")
+    assert back.generation_config.sampling_defaults() == {"temperature": 0.7, "top_p": 0.95, "top_k": 20}
+    assert back.generation_config.eos_token_ids == (1,)
+    assert GenerationConfig.from_pretrained(tmp_path / "c") is None  # no file: nothing to read

@@ -5,7 +5,10 @@ translation table. Keys we do not model (legacy `ep_size`, `pretraining_tp`, `tr
 anything new) are kept in `extra` and written back unchanged, so a config round-trips exactly.
 Derived fields (`indexer_types`, `mlp_layer_types`, `layer_types`, `qk_head_dim`, `head_dim`) follow
 transformers' `GlmMoeDsaConfig.__post_init__`. glm5-only options (the seeds' routing and sparse-pattern
-variants, GLM blank infilling) default to off, i.e. to real GLM-5 behaviour.
+variants, GLM blank infilling) default to off, i.e. to real GLM-5 behaviour. A config that turns on an
+option transformers' `glm_moe_dsa` cannot represent is labelled `glm5_ext` / `Glm5ExtForCausalLM`
+(derived, like the per-layer lists), so transformers refuses the checkpoint instead of silently
+computing a different model; every other config stays `glm_moe_dsa` and loads in transformers.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from glm5.core.resources import configs_dir, list_configs
 
 class ModelConfigError(ValueError):
     """A config key is missing, mistyped or inconsistent; the message names the key."""
+
+
+HF_IDENTITY = ("glm_moe_dsa", ["GlmMoeDsaForCausalLM"])  # transformers' GLM-5: computes the same logits
+EXT_IDENTITY = ("glm5_ext", ["Glm5ExtForCausalLM"])  # glm5-only options on: no transformers class exists
 
 
 @dataclass(kw_only=True)
@@ -102,6 +109,9 @@ class ModelConfig:
 
     def __post_init__(self):
         self._check_types()
+        if self.model_type in (HF_IDENTITY[0], EXT_IDENTITY[0]):  # a foreign model_type is left as it is
+            self.model_type, self.architectures = EXT_IDENTITY if self.non_hf_options() else HF_IDENTITY
+            self.architectures = list(self.architectures)
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.head_dim = self.qk_rope_head_dim
         if self.indexer_types is None:
@@ -249,6 +259,17 @@ class ModelConfig:
                 if k not in changes:
                     d.pop(k, None)
         return ModelConfig.from_dict(d)
+
+    def non_hf_options(self) -> list[str]:
+        """Keys set to values that transformers' `glm_moe_dsa` would ignore, computing other logits.
+        (`expert_dropout` acts in training only, so inference matches and it is not listed.)"""
+        differs = {"scoring_func": self.scoring_func != "sigmoid", "router_temperature": self.router_temperature != 1.0,
+                   "moe_capacity_factor": self.moe_capacity_factor is not None, "moe_type": self.moe_type != "topk",
+                   "sparse_attention": self.sparse_attention != "dsa",
+                   "block_position_embedding": self.block_position_embedding,
+                   "rope_interleave": not self.rope_interleave,  # transformers always interleaves
+                   "indexer_rope_interleave": not self.indexer_rope_interleave}
+        return [key for key, on in differs.items() if on]
 
     # --- convenience -------------------------------------------------------------------------------
     @property

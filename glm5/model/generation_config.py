@@ -28,6 +28,7 @@ class GenerationConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None  # one id or a list: generation stops at any of them
     pad_token_id: int | None = None
+    do_sample: bool | None = None  # transformers' switch; written true when a sampling value is set
     temperature: float | None = None  # None: not set by the model (the engine's own default applies)
     top_p: float | None = None
     top_k: int | None = None
@@ -55,6 +56,8 @@ class GenerationConfig:
             _check(d, key, int, source)
         for key in ("temperature", "top_p", "min_p", "repetition_penalty"):
             _check(d, key, (int, float), source)
+        if d.get("do_sample") is not None and not isinstance(d["do_sample"], bool):
+            raise ModelConfigError(f"{source}: 'do_sample' must be true/false, got {d['do_sample']!r}")
         eos = d.get("eos_token_id")
         if eos is not None and not (isinstance(eos, int) or (isinstance(eos, list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in eos))):
@@ -84,6 +87,8 @@ class GenerationConfig:
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name != "extra" and getattr(self, f.name) is not None}
+        if self.do_sample is None and set(self.sampling_defaults()) - {"max_tokens"}:
+            out["do_sample"] = True  # transformers rejects sampling values with do_sample unset
         return {**out, **self.extra}
 
     def save(self, path: str | Path) -> None:
