@@ -74,3 +74,32 @@ def test_two_processes_log_the_losses_of_one_and_resume_elsewhere(tokens, tmp_pa
     _run(1, _argv(tokens, tmp_path / "resumed", 4, f"--checkpoint.resume={json.dumps(str(ckpt))}"))
     resumed = _losses(tmp_path / "resumed")
     assert sorted(resumed) == [4, 5] and max(abs(resumed[s] - ref[s]) for s in resumed) <= 1e-4, (resumed, ref)
+
+
+@pytest.mark.slow
+def test_two_agents_as_two_nodes_train_like_one_process(tokens, tmp_path):
+    """Multi-node launch: two `torchrun --nnodes 2 --rdzv-backend c10d` agents on this machine, one process
+    each, rendezvous over TCP as two nodes and train FSDP + EP=2 with the single-process losses; the
+    profiled steps log their communication time beside MFU."""
+    import socket
+    _run(1, _argv(tokens, tmp_path / "one", 4))
+    ref = _losses(tmp_path / "one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    argv = _argv(tokens, tmp_path / "nodes", 2, "--parallel.expert_parallel=2", "--log.profile_comm_every=2")
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=glm5-two-nodes",
+         f"--rdzv-conf=is_host={int(node == 0)}", "-m", "glm5.train", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
+    outs = [a.communicate(timeout=600) for a in agents]
+    assert all(a.returncode == 0 for a in agents), [o[1][-3000:] for o in outs]
+    recs = read_metrics(tmp_path / "nodes" / "metrics.jsonl")
+    two = {r["step"]: r["loss"] for r in recs if "loss" in r}
+    assert max(abs(two[s] - ref[s]) for s in ref) <= 1e-4, (two, ref)
+    profiled = [r for r in recs if "comm_s" in r]
+    assert [r["step"] for r in profiled] == [1, 3, 5]  # steps 0, 2, 4 (0-based) are profiled
+    assert all(r["comm_s"] > 0 and 0 < r["comm_frac"] < 1 and r["comm_all_to_all_elems"] > 0 for r in profiled)
+    assert all("mfu" in r for r in profiled)

@@ -63,3 +63,23 @@ def test_pipeline_split_layers():
     with pytest.raises(ValueError, match="shared-indexer"):
         split_layers(shared, 2, [2, 4])
     assert local_stages(1, 2, 2) == [1, 3]  # loop order for the interleaved schedule
+
+
+def test_comm_stats_from_profiler_events():
+    """gloo ops count with their wall time and input elements; NCCL kernels give the device time."""
+    from types import SimpleNamespace as E
+
+    from glm5.train.comm import collect
+    gloo = collect([E(name="gloo:all_reduce", input_shapes=[[4, 8]], cpu_time_total=2000.0, device_time_total=0.0),
+                    E(name="gloo:all_to_all", input_shapes=[[6, 16], [6]], cpu_time_total=500.0, device_time_total=0.0),
+                    E(name="gloo:all_reduce", input_shapes=[[10]], cpu_time_total=1000.0, device_time_total=0.0),
+                    E(name="aten::mm", input_shapes=[[4, 4]], cpu_time_total=9e9, device_time_total=0.0)])
+    assert gloo.calls == {"all_reduce": 2, "all_to_all": 1}
+    assert gloo.elements == {"all_reduce": 42, "all_to_all": 96}
+    assert abs(gloo.total_seconds - 0.0035) < 1e-9
+    m = gloo.as_metrics(0.01)
+    assert m["comm_frac"] == 0.35 and m["comm_all_reduce_elems"] == 42
+    nccl = collect([E(name="nccl:all_gather", input_shapes=[[128]], cpu_time_total=5.0, device_time_total=0.0),
+                    E(name="ncclDevKernel_AllGather_RING_LL", input_shapes=[], cpu_time_total=0.0,
+                      device_time_total=300.0)])
+    assert nccl.calls == {"all_gather": 1} and nccl.seconds == {"all_gather": 0.0003}

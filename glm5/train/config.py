@@ -202,6 +202,9 @@ class LogConfig:
     """Validation batches per evaluation."""
     measure_peak: bool = True
     """Measure the matmul peak (cached per machine) to report MFU."""
+    profile_comm_every: int = 0
+    """Every N steps (and the first), profile the step and log its communication time beside MFU:
+    comm_s, comm_frac and per-collective seconds/elements (0 = never; glm5/train/comm.py)."""
 
 
 @dataclass(kw_only=True)

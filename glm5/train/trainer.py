@@ -422,12 +422,21 @@ class Trainer:
                 if deadline is not None and self._sum(float(time.monotonic() > deadline)) > 0:
                     dist.print0(f"train.time_limit_min={cfg.train.time_limit_min} reached at step {self.step}")
                     break
+                every = cfg.log.profile_comm_every
+                profiled = self.distributed and every > 0 and (self.step % every == 0 or self.step == 0)
                 t0 = time.perf_counter()
-                m = self.train_step()
+                if profiled:  # communication time beside MFU (the profiler slows this step a little)
+                    from .comm import profile_step
+                    m, comm = profile_step(self.train_step)
+                else:
+                    m = self.train_step()
                 dt = time.perf_counter() - t0
+                m["step_s"] = dt
                 m["tokens_per_s"] = m["tokens"] / dt  # m["tokens"] is already the global count
                 # tokens/s is global, so the peak is one device's times the number of ranks
                 m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops * dist.world_size())
+                if profiled:
+                    m.update(comm.as_metrics(dt))
                 self.history.append({"step": self.step, **{k: v for k, v in m.items() if k != "expert_load"}})
                 self._log(writer, bar, m)
                 if cfg.log.eval_every and self.step % cfg.log.eval_every == 0 and self.step < cfg.train.steps:
@@ -451,8 +460,10 @@ class Trainer:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
-                            tok_s=f"{m['tokens_per_s']:.0f}", mfu=f"{m['mfu']:.1%}")
-        if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps or m.get("skipped"):
+                            tok_s=f"{m['tokens_per_s']:.0f}", mfu=f"{m['mfu']:.1%}",
+                            **({"comm": f"{m['comm_frac']:.0%}"} if "comm_frac" in m else {}))
+        if (self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps or m.get("skipped")
+                or "comm_s" in m):
             self._write(writer, m)
 
     def _write(self, writer, record: dict) -> None:
