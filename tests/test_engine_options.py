@@ -96,3 +96,14 @@ def test_paged_forward_serves_blank_infilling_metadata():
             flat, meta = build_metadata([chunk], 4, "cpu")
             got.append(model(flat[None], attn_metadata=meta, kv_cache=cache).logits[0])
     assert torch.allclose(torch.cat(got), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("option", ["capacity-factor", "window-global", "soft-moe"])
+def test_mtp_speculation_with_options(option):
+    """The MTP layer (an MoE decoder layer with its own indexer and cache layer) runs every option too:
+    greedy output with 2 drafts per step == the model's greedy."""
+    model = tiny_model(seed=22, bias_std=0.1, **{**OPTIONS[option], "num_nextn_predict_layers": 1})
+    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=64, block_size=4, max_model_len=64,
+                                    max_num_batched_tokens=12, speculative_num_tokens=2), model=model)
+    assert run(engine, PROMPTS[:3]) == greedy(model, PROMPTS[:3])
+    assert engine.get_stats()["spec_num_draft_tokens"] > 0
