@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from glm5.infer import quant  # noqa: E402
 from glm5.infer.config import EngineConfig  # noqa: E402
 from glm5.infer.engine import LLMEngine  # noqa: E402
-from glm5.infer.kv_cache import bytes_per_token, expanded_bytes_per_token  # noqa: E402
+from glm5.model.kv_cache import bytes_per_token, expanded_bytes_per_token  # noqa: E402
 from glm5.infer.sampling import SamplingParams  # noqa: E402
 from glm5.model.config import ModelConfig  # noqa: E402
 from glm5.model.hf_adapter import save_pretrained  # noqa: E402

@@ -47,55 +47,66 @@ class SeqChunk:
         return self.start + len(self.token_ids)
 
 
-def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Cache slots of sequence indices [start, end) of a sequence with block table `block_ids`."""
-    pos = torch.arange(start, end)
-    table = torch.as_tensor(block_ids, dtype=torch.long)
-    return table[pos // block_size] * block_size + pos % block_size
-
-
 def build_metadata(chunks: list[SeqChunk], block_size: int, device) -> tuple[torch.Tensor, AttnMetadata]:
-    """-> (input_ids [N], metadata) for the chunks laid out back to back."""
-    ids, pos, slots, starts = [], [], [], [0]
-    for c in chunks:
-        ids.extend(c.token_ids)
-        pos.append(torch.arange(c.start, c.context_len) if c.position_ids is None
-                   else torch.as_tensor(c.position_ids, dtype=torch.long))
-        slots.append(slots_for(c.block_ids, c.start, c.context_len, block_size))
-        starts.append(starts[-1] + c.num_tokens)
-    meta = AttnMetadata(torch.cat(pos).to(device), torch.cat(slots).to(device), starts)
+    """-> (input_ids [N], metadata) for the chunks laid out back to back. Built with a fixed number of
+    tensor ops per step (one padded block table [C, max_blocks]), never a loop of tensor ops per chunk."""
+    C = len(chunks)
+    n_tok = torch.tensor([c.num_tokens for c in chunks])  # [C]
+    start = torch.tensor([c.start for c in chunks])  # [C]
+    offsets = torch.zeros(C + 1, dtype=torch.long)
+    torch.cumsum(n_tok, 0, out=offsets[1:])
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    table = torch.tensor([c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks])  # [C, max_blocks]
+    N = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(C), n_tok)  # [N] chunk of each token
+    index = torch.arange(N) - offsets[seq] + start[seq]  # [N] sequence index of each token
+    slots = table[seq, index // block_size] * block_size + index % block_size  # [N]
+    positions = index
+    if any(c.position_ids is not None for c in chunks):
+        positions = torch.tensor([p for c in chunks for p in (c.position_ids if c.position_ids is not None
+                                                             else range(c.start, c.context_len))])
+    meta = AttnMetadata(positions.to(device), slots.to(device), offsets.tolist())
     if any(c.block_position_ids is not None for c in chunks):
         meta.block_position_ids = torch.tensor([b for c in chunks for b in (c.block_position_ids or [0] * c.num_tokens)],
                                                dtype=torch.long, device=device)
     if any(c.adapter_id >= 0 for c in chunks):
         meta.adapter_ids = torch.tensor([c.adapter_id for c in chunks for _ in c.token_ids], device=device)
+    batch = _Batch(n_tok, start, offsets, table, torch.tensor([c.prefix_len for c in chunks]), block_size)
     short = [i for i, c in enumerate(chunks) if c.num_tokens <= SHORT_CHUNK]
     long_ = [[i] for i, c in enumerate(chunks) if c.num_tokens > SHORT_CHUNK]
     for members in ([short] if short else []) + long_:
-        meta.groups.append(_group(chunks, starts, members, block_size, device))
-    return torch.tensor(ids, dtype=torch.long, device=device), meta
+        meta.groups.append(batch.group(members, device))
+    ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
+    return ids, meta
 
 
-def _group(chunks: list[SeqChunk], starts: list[int], members: list[int], block_size: int, device) -> AttnGroup:
-    cs = [chunks[i] for i in members]
-    B, T, S = len(cs), max(c.num_tokens for c in cs), max(c.context_len for c in cs)
-    q_index = torch.zeros(B, T, dtype=torch.long)
-    q_valid = torch.zeros(B, T, dtype=torch.bool)
-    q_pos = torch.zeros(B, T, dtype=torch.long)
-    key_slots = torch.zeros(B, S, dtype=torch.long)
-    ctx_len = torch.tensor([c.context_len for c in cs])
-    prefix = torch.tensor([c.prefix_len for c in cs])
-    for b, (i, c) in enumerate(zip(members, cs)):
-        n = c.num_tokens
-        q_index[b, :n] = torch.arange(starts[i], starts[i] + n)
-        q_valid[b, :n] = True
-        q_pos[b, :n] = torch.arange(c.start, c.context_len)
-        key_slots[b, : c.context_len] = slots_for(c.block_ids, 0, c.context_len, block_size)
-    keys = torch.arange(S)
-    key_valid = keys[None, :] < ctx_len[:, None]  # [B, S]
-    allowed = (keys[None, None, :] <= q_pos[:, :, None]) | (keys[None, None, :] < prefix[:, None, None])
-    allowed &= key_valid[:, None, :]  # [B, T, S]
-    allowed &= q_valid[:, :, None] | (keys == 0)[None, None, :]  # padded query rows see key 0 only
-    identity = B == 1 and T == starts[-1]  # a single sequence holding all of the step's tokens
-    return AttnGroup(q_index.to(device), q_valid.to(device), q_pos.to(device), key_slots.to(device),
-                     key_valid.to(device), allowed.to(device), is_identity=identity)
+@dataclass
+class _Batch:
+    """Per-chunk tensors of one step, from which attention groups are cut."""
+
+    n_tok: torch.Tensor  # [C] tokens of each chunk
+    start: torch.Tensor  # [C] sequence index of each chunk's first token
+    offsets: torch.Tensor  # [C + 1] flat offsets
+    table: torch.Tensor  # [C, max_blocks] block tables (padded with block 0)
+    prefix: torch.Tensor  # [C] bidirectional prefix lengths
+    block_size: int
+
+    def group(self, members: list[int], device) -> AttnGroup:
+        m = torch.tensor(members)
+        n, st = self.n_tok[m], self.start[m]  # [B]
+        ctx = st + n  # [B] context length
+        T, S = int(n.max()), int(ctx.max())
+        t = torch.arange(T)[None]  # [1, T]
+        q_valid = t < n[:, None]  # [B, T]
+        q_index = (self.offsets[m][:, None] + t) * q_valid  # [B, T] (padding: 0)
+        q_pos = (st[:, None] + t) * q_valid  # [B, T] (padding: 0)
+        keys = torch.arange(S)
+        blk = (keys // self.block_size).clamp(max=self.table.shape[1] - 1)
+        key_slots = self.table[m][:, blk] * self.block_size + keys % self.block_size  # [B, S]
+        key_valid = keys[None, :] < ctx[:, None]  # [B, S]
+        allowed = (keys[None, None, :] <= q_pos[:, :, None]) | (keys[None, None, :] < self.prefix[m][:, None, None])
+        allowed &= key_valid[:, None, :]  # [B, T, S]
+        allowed &= q_valid[:, :, None] | (keys == 0)[None, None, :]  # padded query rows see key 0 only
+        identity = len(members) == 1 and T == int(self.offsets[-1])  # one sequence holding the whole step
+        return AttnGroup(q_index.to(device), q_valid.to(device), q_pos.to(device), key_slots.to(device),
+                         key_valid.to(device), allowed.to(device), is_identity=identity)

@@ -135,9 +135,9 @@ class Request:
 
     def sampling_row(self, num_drafts: int = 0) -> SamplingRow:
         """The sampler's view of this request at the position after `num_drafts` draft tokens."""
-        drafts = self.spec_token_ids[:num_drafts]
+        out = self.output_token_ids + self.spec_token_ids[:num_drafts] if num_drafts else self.output_token_ids
         return SamplingRow(params=self.params, prompt_token_ids=self.prompt_token_ids,
-                           output_token_ids=self.output_token_ids + drafts, generator=self.generator,
+                           output_token_ids=out, generator=self.generator,
                            stop_ids_until_min=self.stop_ids)
 
     def text_for_output(self) -> str:
