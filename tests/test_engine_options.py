@@ -107,3 +107,28 @@ def test_mtp_speculation_with_options(option):
                                     max_num_batched_tokens=12, speculative_num_tokens=2), model=model)
     assert run(engine, PROMPTS[:3]) == greedy(model, PROMPTS[:3])
     assert engine.get_stats()["spec_num_draft_tokens"] > 0
+
+
+def test_expert_load_stats_and_metrics():
+    """Per-layer expert load in engine stats == the experts the model's own forward routes the same tokens
+    to (every token the engine computed: prompt + all but the last generated token); rendered for /metrics."""
+    from glm5.serve.metrics import ServerMetrics
+
+    model = tiny_model(seed=23, bias_std=0.1, index_topk=6)
+    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=64, block_size=4, max_model_len=64,
+                                    max_num_batched_tokens=12, enable_prefix_caching=False), model=model)
+    outs = run(engine, PROMPTS[:3])
+    load = engine.get_stats()["expert_load"]
+    assert sorted(load) == model.config.moe_layers
+    want = {layer: torch.zeros(model.config.n_routed_experts, dtype=torch.long) for layer in load}
+    with torch.no_grad():
+        for p, o in zip(PROMPTS[:3], outs):
+            for st in model(torch.tensor([p + o[:-1]])).router_stats:
+                want[st["layer"]] += st["tokens_per_expert"]
+    for layer, entry in load.items():
+        assert entry["tokens_per_expert"] == want[layer].tolist()
+        assert entry["imbalance"] == pytest.approx(float(want[layer].max()) / float(want[layer].float().mean()))
+    text = ServerMetrics("tiny").render(engine.get_stats())
+    layer = model.config.moe_layers[0]
+    assert f'glm5:moe_expert_tokens_total{{model_name="tiny",layer="{layer}",expert="0"}} {want[layer][0]}' in text
+    assert f'glm5:moe_expert_load_imbalance{{model_name="tiny",layer="{layer}"}}' in text

@@ -103,6 +103,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device,
                                   cache_dtype=next(self.model.model.embed_tokens.parameters()).dtype)
+        # tokens routed to each expert of each MoE layer since start (device tensor, one add per layer/step)
+        self._expert_tokens = torch.zeros(self.model_config.num_hidden_layers, self.model_config.n_routed_experts,
+                                          dtype=torch.long, device=self.config.device)
         self._groups: dict[str, list[Request]] = {}  # request id -> its (child) requests
         self._prompts: dict[str, str | None] = {}
         self._flushed: set[str] = set()  # finished requests whose detokenizer was flushed
@@ -231,6 +234,8 @@ class LLMEngine:
         if out.is_empty():
             return []
         result, failed = self._run(out)
+        for st in result.router_stats:  # per-layer expert load (seed M2: observable while serving)
+            self._expert_tokens[st["layer"]] += st["tokens_per_expert"]
         for s in out.scheduled:
             entries = result.prompt_logprobs.get(s.request_id)
             if entries is not None:
@@ -307,7 +312,18 @@ class LLMEngine:
         if self.runner.proposer is not None:
             stats.update(self.runner.proposer.stats())
         stats.update(expert_stats(self.model))
+        stats["expert_load"] = self.expert_load()
         return stats
+
+    def expert_load(self) -> dict[int, dict]:
+        """Per MoE layer: tokens routed to each expert since start, and the imbalance max/mean (1 = even)."""
+        counts = self._expert_tokens.cpu()
+        out = {}
+        for layer in self.model_config.moe_layers:
+            c = counts[layer]
+            mean = float(c.float().mean())
+            out[layer] = {"tokens_per_expert": c.tolist(), "imbalance": float(c.max()) / mean if mean else 0.0}
+        return out
 
     def swap_experts(self, updates: dict) -> int:
         """Replace routed-expert weights between steps. `updates`: HF names

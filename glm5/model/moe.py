@@ -80,7 +80,6 @@ class Experts(nn.Module):
         # accumulate in the experts' output dtype (bf16 under autocast while x may be fp32)
         return torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, ys)
 
-
     def forward_reference(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Plain per-expert loop (the oracle for tests; transformers' formulation)."""
         out = torch.zeros_like(x)

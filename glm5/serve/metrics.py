@@ -87,7 +87,23 @@ class ServerMetrics:
             if name == "vllm:num_requests_waiting":
                 value += extra_queued  # requests the server holds back (dynamic batching, max_batch_size)
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
+        self._render_expert_load(lines, stats.get("expert_load") or {}, label)
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_expert_load(lines, load: dict, label: str) -> None:
+        """Per MoE layer: tokens per expert (counter) and the max/mean imbalance (gauge)."""
+        if not load:
+            return
+        name = "glm5:moe_expert_tokens_total"
+        lines += [f"# HELP {name} Tokens routed to each expert of each MoE layer.", f"# TYPE {name} counter"]
+        for layer, entry in sorted(load.items()):
+            for e, n in enumerate(entry["tokens_per_expert"]):
+                lines.append(f'{name}{{{label},layer="{layer}",expert="{e}"}} {n}')
+        name = "glm5:moe_expert_load_imbalance"
+        lines += [f"# HELP {name} Max over mean tokens per expert of each MoE layer (1 = even).",
+                  f"# TYPE {name} gauge"]
+        lines += [f'{name}{{{label},layer="{layer}"}} {entry["imbalance"]}' for layer, entry in sorted(load.items())]
 
     @staticmethod
     def _render_hist(lines, name, help_, h: _Histogram, label) -> None:
