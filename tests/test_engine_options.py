@@ -132,3 +132,64 @@ def test_expert_load_stats_and_metrics():
     layer = model.config.moe_layers[0]
     assert f'glm5:moe_expert_tokens_total{{model_name="tiny",layer="{layer}",expert="0"}} {want[layer][0]}' in text
     assert f'glm5:moe_expert_load_imbalance{{model_name="tiny",layer="{layer}"}}' in text
+
+
+def _new_experts(cfg, layer, seed):
+    g = torch.Generator().manual_seed(seed)
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    return {f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight":
+            torch.randn(*((hidden, inter) if p == "down" else (inter, hidden)), generator=g) * 0.3
+            for e in range(cfg.n_routed_experts) for p in ("gate", "up", "down")}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "int8"])
+def test_hot_swap_without_draining_versions_and_rollback(mode):
+    """A swap between steps: the running request finishes on the version it started on (its swapped
+    experts run on a shadow copy), a request admitted after it runs on the new version; rollback returns
+    to the old weights and version; a request overtaken by two swaps is told ("0->2")."""
+    base = tiny_model(seed=24, bias_std=0.1, index_topk=6)
+    cfg = base.config
+    layer = cfg.moe_layers[0]
+    new = _new_experts(cfg, layer, seed=5)
+    swapped = copy.deepcopy(base)
+    with torch.no_grad():
+        for e in range(cfg.n_routed_experts):
+            g, u, d = (new[f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+            swapped.model.layers[layer].mlp.experts.gate_up_proj[e] = torch.cat([g, u])
+            swapped.model.layers[layer].mlp.experts.down_proj[e] = d
+    extra = dict(quantization="int8", int8_kernel="dequant") if mode == "int8" else {}
+    if mode == "int8":
+        ref_old = quant.quantize_model(copy.deepcopy(base), {"small": "dequant", "large": "dequant"})
+        ref_new = quant.quantize_model(copy.deepcopy(swapped), {"small": "dequant", "large": "dequant"})
+    else:
+        ref_old, ref_new = base, swapped
+    engine = LLMEngine(EngineConfig(device="cpu", num_blocks=64, block_size=4, max_model_len=64,
+                                    max_num_batched_tokens=32, **extra), model=copy.deepcopy(base))
+    long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("old", prompt_token_ids=PROMPTS[2], params=long)
+    for _ in range(3):
+        engine.step()
+    assert engine.swap_experts(new) == 1
+    engine.add_request("new", prompt_token_ids=PROMPTS[2], params=long)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    p = PROMPTS[2]
+    old_ref = ref_old.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist()
+    new_ref = ref_new.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist()
+    assert old_ref != new_ref
+    assert done["old"].outputs[0].token_ids == old_ref and done["old"].model_version == 0
+    assert done["new"].outputs[0].token_ids == new_ref and done["new"].model_version == 1
+    assert engine.runner.expert_shadow is None  # freed once nobody runs on version 0
+    assert engine.rollback_experts() == 0
+    assert run(engine, [p])[0] == old_ref[:NEW]
+    with pytest.raises(ValueError, match="no expert swap"):
+        engine.rollback_experts()
+    engine.add_request("told", prompt_token_ids=p, params=long)
+    engine.step()
+    engine.swap_experts(new)
+    engine.swap_experts(_new_experts(cfg, layer, seed=6))  # version 3: the shadow now holds version 2
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert final.model_version == "0->3"

@@ -63,6 +63,13 @@ class FakeEngine:
         self.swaps.append(sorted(updates))
         self.model_version += 1
 
+    def rollback_experts(self):
+        if not self.swaps:
+            raise ValueError("no expert swap to roll back")
+        self.swaps.pop()
+        self.model_version -= 1
+        return self.model_version
+
     def step(self):
         time.sleep(self.step_sleep)
         if self.fail_step:
@@ -327,6 +334,11 @@ def test_hot_swap_validation(server):
     assert versions["model_version"] == 1 and versions["versions"][-1]["experts"] == [[1, 1]]
     r = client(url).completions.with_raw_response.create(model="fake", prompt="x", max_tokens=2)
     assert r.headers["x-model-version"] == "1" and r.parse().model_extra["model_version"] == 1
+    r = httpx.post(url + "/admin/experts/rollback", headers=h)
+    assert r.status_code == 200 and r.json()["model_version"] == 0 and engine.swaps == []
+    r = httpx.post(url + "/admin/experts/rollback", headers=h)
+    assert r.status_code == 409 and "no expert swap" in r.json()["error"]["message"]
+    assert httpx.get(url + "/admin/experts", headers=h).json()["versions"][-1]["rollback"] is True
 
 
 def test_metrics_and_tokenize(server):

@@ -23,10 +23,11 @@ from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import cast_model, from_pretrained
 from glm5.model.kv_cache import bytes_per_token
 from glm5.model.model import GLM5ForCausalLM
+from glm5.model.paged import ExpertShadow
 
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
-from .experts import apply_expert_updates, expert_stats, parse_expert_updates
+from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
 from .faults import FaultTracker, is_fatal, run_each
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .outputs import CompletionOutput, RequestOutput
@@ -97,6 +98,8 @@ class LLMEngine:
         self.generation_config: GenerationConfig = self.model.generation_config
         self.tokenizer = tokenizer
         self.model_version = 0
+        self._last_version = 0  # versions are never reused, also after a rollback
+        self._swaps: list[tuple[int, dict]] = []  # (version before each swap, the replaced experts' weights)
         num_blocks, max_model_len = self._size_kv()
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -189,6 +192,7 @@ class LLMEngine:
                        prompt=prompt, cache_salt=cache_salt, device=self.config.device, infill=infill)
         for r in reqs:
             r.detokenizer = self._detokenizer(r.params)
+            r.model_version = self.model_version
         for i, r in enumerate(reqs):
             try:
                 self.scheduler.add_request(r)
@@ -264,6 +268,7 @@ class LLMEngine:
                     self._flushed.discard(r.request_id)
                 self._prompts.pop(o.request_id, None)
                 self._errors.pop(o.request_id, None)
+        self._drop_unused_shadow()  # after the outputs: they report the version their requests ran on
         return outputs
 
     def _run(self, out: ScheduleOutput) -> tuple[RunnerOutput, dict[str, Exception]]:
@@ -300,7 +305,15 @@ class LLMEngine:
         first = reqs[0]
         return RequestOutput(group_id, self._prompts.get(group_id), list(first.prompt_token_ids),
                              first.prompt_logprobs, outs, all(r.is_finished for r in reqs), first.metrics,
-                             self.model_version, self._errors.get(group_id))
+                             self._version_of(first), self._errors.get(group_id))
+
+    def _version_of(self, req: Request) -> int | str:
+        """The expert version a request ran on: the one it started on when it is current or served by the
+        shadow copy, else "started->current" (a second swap or a rollback overtook it: it is told)."""
+        shadow = self.runner.expert_shadow
+        if req.model_version == self.model_version or (shadow is not None and shadow.version == req.model_version):
+            return req.model_version
+        return f"{req.model_version}->{self.model_version}"
 
     # ---- stats and weights --------------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -326,12 +339,44 @@ class LLMEngine:
         return out
 
     def swap_experts(self, updates: dict) -> int:
-        """Replace routed-expert weights between steps. `updates`: HF names
+        """Replace routed-expert weights between steps, without draining. `updates`: HF names
         (`model.layers.L.mlp.experts.E.gate_proj.weight` -> tensor) or {(L, E): {"gate_proj"|"up_proj"|
-        "down_proj" (or full names): tensor}}. Everything is validated before anything changes; the prefix
-        cache is dropped (its KV came from the old weights) and the model version goes up."""
+        "down_proj" (or full names): tensor}}. Everything is validated before anything changes. Requests
+        already running finish on the weights they started with (their tokens' assignments to the swapped
+        experts run on a shadow copy while any of them is left); the prefix cache is dropped (its KV came
+        from the old weights). Returns the new model version."""
         parsed = parse_expert_updates(updates, self.model_config, getattr(torch, self.config.dtype))
+        before = {key: read_expert(experts_module(self.model, key[0]), key[1]) for key in parsed}
         apply_expert_updates(self.model, parsed)
+        self._swaps.append((self.model_version, before))
+        self._last_version += 1
+        return self._switch(self._last_version, self.model_version, before)
+
+    def rollback_experts(self) -> int:
+        """Undo the latest swap: the experts get their previous weights back and the model version returns
+        to the one before it; requests started on the undone version finish on it (shadow copy)."""
+        if not self._swaps:
+            raise ValueError("no expert swap to roll back")
+        version, before = self._swaps.pop()
+        undone = {key: read_expert(experts_module(self.model, key[0]), key[1]) for key in before}
+        apply_expert_updates(self.model, before)
+        return self._switch(version, self.model_version, undone)
+
+    def _switch(self, version: int, old_version: int, old_weights: dict) -> int:
+        """Make `version` current; requests running on `old_version` keep `old_weights` (soft MoE mixes
+        every expert per token and is not shadowed: its running requests are told instead)."""
         self.block_manager.reset_prefix_cache()
-        self.model_version += 1
-        return self.model_version
+        self.model_version = version
+        shadow = {}
+        for (layer, e), w in old_weights.items():
+            shadow.setdefault(layer, {})[e] = (torch.cat([w["gate"], w["up"]]), w["down"])  # [2I, H], [H, I]
+        running = any(r.model_version == old_version for r in self.scheduler.requests.values())
+        keep = running and self.model_config.moe_type == "topk"
+        self.runner.expert_shadow = ExpertShadow(old_version, shadow) if keep else None
+        return version
+
+    def _drop_unused_shadow(self) -> None:
+        """Free the shadow copy once no request runs on its version any more."""
+        shadow = self.runner.expert_shadow
+        if shadow is not None and not any(r.model_version == shadow.version for r in self.scheduler.requests.values()):
+            self.runner.expert_shadow = None

@@ -73,6 +73,17 @@ def write_expert(module, e: int, parts: dict[str, torch.Tensor]) -> None:
         module.down_proj[e].copy_(parts["down"])
 
 
+@torch.no_grad()
+def read_expert(module, e: int) -> dict[str, torch.Tensor]:
+    """Expert e's current gate [I, H], up [I, H], down [H, I] (a copy, dequantised for INT8), from any kind
+    of expert module: what a rollback writes back and what requests pinned to the old version run on."""
+    if hasattr(module, "get_expert"):  # INT8 / offloaded experts know their own storage
+        return module.get_expert(e)
+    inter = module.inter
+    gate_up = module.gate_up_proj[e]
+    return {"gate": gate_up[:inter].clone(), "up": gate_up[inter:].clone(), "down": module.down_proj[e].clone()}
+
+
 def apply_expert_updates(model, grouped: dict[tuple[int, int], dict]) -> None:
     for (layer, expert), parts in grouped.items():
         write_expert(experts_module(model, layer), expert, parts)

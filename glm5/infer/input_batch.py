@@ -37,6 +37,7 @@ class SeqChunk:
     prefix_len: int = 0  # bidirectional Part A length (GLM blank infilling)
     block_position_ids: list[int] | None = None  # GLM 2D positions of the chunk's tokens
     adapter_id: int = -1  # LoRA adapter slot (-1 = base model)
+    pinned: bool = False  # runs on the expert version before the latest hot swap (AttnMetadata.expert_shadow)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +70,8 @@ def build_metadata(chunks: list[SeqChunk], block_size: int, device) -> tuple[tor
     if any(c.block_position_ids is not None for c in chunks):
         meta.block_position_ids = torch.tensor([b for c in chunks for b in (c.block_position_ids or [0] * c.num_tokens)],
                                                dtype=torch.long, device=device)
+    if any(c.pinned for c in chunks):
+        meta.pinned_rows = torch.tensor([c.pinned for c in chunks for _ in c.token_ids], device=device)
     if any(c.adapter_id >= 0 for c in chunks):
         meta.adapter_ids = torch.tensor([c.adapter_id for c in chunks for _ in c.token_ids], device=device)
     batch = _Batch(n_tok, start, offsets, table, torch.tensor([c.prefix_len for c in chunks]), block_size)

@@ -96,6 +96,9 @@ class OffloadedExperts(ExpertLoop):
     def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         return swiglu(xs, *self.expert(e))
 
+    def get_expert(self, e: int) -> dict[str, torch.Tensor]:
+        return {part: self._read(e, part).to(self.dtype).clone() for part in ("gate", "up", "down")}
+
     def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
         self.overrides.setdefault(e, {}).update({k: v.detach().clone() for k, v in parts.items()})
         self.cache.drop((self.layer, e))

@@ -92,6 +92,13 @@ class Int8Experts(ExpertLoop):
         return int8_linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e], self.kernels)  # [n, H]
 
     @torch.no_grad()
+    def get_expert(self, e: int) -> dict[str, torch.Tensor]:
+        """Expert e dequantised (re-quantising it gives back the same int8 values)."""
+        gate_up = self.gate_up_int8[e].float() * self.gate_up_scale[e][:, None]  # [2I, H]
+        down = self.down_int8[e].float() * self.down_scale[e][:, None]  # [H, I]
+        return {"gate": gate_up[: self.inter], "up": gate_up[self.inter:], "down": down}
+
+    @torch.no_grad()
     def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
         """Hot swap: re-quantise the given projections of expert e."""
         inter = self.inter

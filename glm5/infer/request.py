@@ -84,6 +84,7 @@ class Request:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.cumulative_logprob = 0.0
         self.num_preemptions = 0
+        self.model_version = 0  # expert version the request started on (set by the engine)
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1 = not admitted yet)
         self.generator = None
         if self.params.seed is not None:

@@ -17,7 +17,7 @@ import torch
 
 from glm5.model.kv_cache import LatentKVCache
 from glm5.model.model import GLM5ForCausalLM
-from glm5.model.paged import AttnMetadata
+from glm5.model.paged import AttnMetadata, ExpertShadow
 
 from .config import EngineConfig
 from .input_batch import SeqChunk, build_metadata
@@ -58,6 +58,7 @@ class ModelRunner:
                              "(num_nextn_predict_layers >= 1)")
         self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp)
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.expert_shadow: ExpertShadow | None = None  # set by the engine while requests run on an older version
         self.proposer = None
         if self.with_mtp:
             from .mtp import MTPProposer  # noqa: PLC0415 (only when speculation is on)
@@ -73,6 +74,8 @@ class ModelRunner:
         if out.is_empty():
             return result
         ids, meta = self.metadata([self._chunk(s) for s in out.scheduled])
+        if meta.pinned_rows is not None:
+            meta.expert_shadow = self.expert_shadow
         rows = self._logit_rows(out, meta)
         meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
         fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
@@ -90,6 +93,7 @@ class ModelRunner:
         req = s.request
         tokens = (req.all_token_ids + s.spec_token_ids)[s.start:s.start + s.num_tokens]
         chunk = SeqChunk(req.request_id, s.start, tokens, req.block_ids)
+        chunk.pinned = self.expert_shadow is not None and req.model_version == self.expert_shadow.version
         if req.infill is not None:  # GLM blank infilling: 2D positions, bidirectional Part A
             end = s.start + s.num_tokens
             chunk.position_ids = req.infill.position_ids(s.start, end)

@@ -223,9 +223,34 @@ class MoE(nn.Module):
         else:
             keep = self._keep_mask(idx, shape, ctx)
             stats["dropped_tokens"] = 0 if keep is None else int((~keep).sum())
-            routed = self.experts(xf, idx, weights, keep)
+            shadow = self._shadow(ctx)
+            if shadow is None:
+                routed = self.experts(xf, idx, weights, keep)
+            else:
+                routed = self._routed_with_shadow(xf, idx, weights, keep, ctx.meta.pinned_rows, shadow)
         out = routed.to(x.dtype).view(shape) + self.shared_experts(x)
         return out, stats
+
+    def _shadow(self, ctx: PagedContext | None) -> dict | None:
+        """This layer's previous expert weights for tokens pinned to an older version (hot swap), or None."""
+        if ctx is None or ctx.meta.expert_shadow is None or ctx.meta.pinned_rows is None:
+            return None
+        return ctx.meta.expert_shadow.experts.get(self.layer_idx)
+
+    def _routed_with_shadow(self, x, idx, weights, keep, pinned, shadow: dict) -> torch.Tensor:
+        """Routed output where pinned tokens' assignments to swapped experts use the old weights: those
+        assignments leave the current experts' pass and are computed on the shadow copy instead."""
+        swapped = torch.tensor(sorted(shadow), device=idx.device)
+        hit = pinned[:, None] & (idx[..., None] == swapped).any(-1)  # [N, A]
+        if keep is not None:
+            hit &= keep
+        routed = self.experts(x, idx, weights, ~hit if keep is None else keep & ~hit)
+        for e, (gate_up, down) in shadow.items():
+            tok, slot = torch.where(hit & (idx == e))
+            if tok.numel():
+                y = swiglu(x[tok], gate_up, down) * weights[tok, slot, None].to(x.dtype)
+                routed = routed.index_add(0, tok, y.to(routed.dtype))
+        return routed
 
     def _keep_mask(self, idx: torch.Tensor, shape, ctx: PagedContext | None) -> torch.Tensor | None:
         """Assignments kept after expert dropout (training) and the capacity limit (None = keep all)."""

@@ -18,6 +18,9 @@ Extension points, so later features extend this dataclass instead of forking the
     the same flat order as the hidden states every projection sees ([1, N, H]); swapped LoRA linear
     modules gather their per-row adapters from it (the layers already receive the paged context).
 
+Expert hot swap (engine): `pinned_rows` marks tokens of requests started before the latest swap; the
+MoE layers run those tokens' assignments to swapped experts on `expert_shadow`'s weights.
+
 Dims: N flat tokens, B sequences in a group, T queries per sequence (padded), S keys (padded), M logit rows.
 """
 
@@ -48,6 +51,15 @@ class AttnGroup:
 
 
 @dataclass
+class ExpertShadow:
+    """The weights hot-swapped experts had at `version`, for requests still running on that version
+    (expert hot swap without draining: such a request finishes on the version it started on)."""
+
+    version: int
+    experts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]  # layer -> e -> (gate_up [2I, H], down [H, I])
+
+
+@dataclass
 class AttnMetadata:
     positions: torch.Tensor  # [N] RoPE positions
     slot_mapping: torch.Tensor  # [N] cache slot each token's KV row is written to
@@ -56,6 +68,8 @@ class AttnMetadata:
     logits_indices: torch.Tensor | None = None  # [M] rows to compute logits for (None = every row)
     block_position_ids: torch.Tensor | None = None  # [N] GLM 2D positions (blank infilling, issue 13)
     adapter_ids: torch.Tensor | None = None  # [N] LoRA adapter slot per token, -1 = base (issue 9)
+    pinned_rows: torch.Tensor | None = None  # [N] bool: token of a request that runs on expert_shadow's version
+    expert_shadow: ExpertShadow | None = None  # the older weights of swapped experts, for pinned rows
 
     @property
     def num_tokens(self) -> int:

@@ -293,6 +293,14 @@ def _install_admin_routes(app: FastAPI, state: ServerState) -> None:
         version = await state.async_engine.swap_experts(tensors, info)
         return JSONResponse({"model_version": version, **info}, headers={"X-Model-Version": str(version)})
 
+    @app.post("/admin/experts/rollback")
+    async def rollback_experts(request: Request):
+        try:
+            version = await state.async_engine.swap_experts(None, {"rollback": True, "experts": []})
+        except ValueError as e:  # nothing to roll back
+            raise APIError(409, str(e), "invalid_request_error") from e
+        return JSONResponse({"model_version": version, "rollback": True}, headers={"X-Model-Version": str(version)})
+
     @app.get("/admin/experts")
     async def expert_versions(request: Request):
         return {"model_version": state.async_engine.model_version, "versions": state.async_engine.versions}

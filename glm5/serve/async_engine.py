@@ -8,8 +8,9 @@ Scheduling it adds on top of the engine:
 - admission control: more than `max_waiting_requests` queued -> `Overloaded` (the app answers 503);
 - dynamic batching: when the engine is idle it waits up to `batch_timeout_ms` for `preferred_batch_size`
   requests before the first step, and never has more than `max_batch_size` requests in the engine;
-- hot swap: new requests are held back, running ones finish on the old weights, then the swap runs and
-  the version is bumped, so every request runs on exactly one model version (the one it reports);
+- hot swap without draining: the swap (or a rollback) runs between two steps as soon as it arrives;
+  running requests finish on the version they started on (the engine keeps a shadow copy of the swapped
+  experts for them), new ones run on the new version, each reporting the version it ran on;
 - shutdown: `drain(grace_s)` stops admitting at once, lets running requests finish for the grace period,
   then ends the rest with `EngineDead` (streams end with an error chunk and `[DONE]`);
 - faults: a request the engine aborted on a failure gets `RequestFailed`, everyone else carries on; if
@@ -144,8 +145,9 @@ class AsyncEngine:
             if not p.done:
                 self._commands.put(("abort", request_id))
 
-    async def swap_experts(self, updates: dict, info: dict) -> int:
-        """Run `engine.swap_experts(updates)` between steps once running requests drain; new version."""
+    async def swap_experts(self, updates: dict | None, info: dict) -> int:
+        """Run `engine.swap_experts(updates)` (None: `engine.rollback_experts()`) between two steps; the
+        new model version."""
         fut: Future = Future()
         self._commands.put(("swap", (updates, info, fut)))
         return await asyncio.wrap_future(fut)
@@ -258,21 +260,21 @@ class AsyncEngine:
                 p.done = True
 
     def _maybe_swap(self) -> None:
-        """Swap only when no request is in the engine: each request runs on one version."""
-        if not self._swaps or self._active:
-            return
-        (updates, info), fut = self._swaps.popleft()
-        try:
-            self.engine.swap_experts(updates)
-        except Exception as e:  # validation happened before; keep serving on the old weights
-            fut.set_exception(e)
-            return
-        self.versions.append({"version": self.model_version, "time": time.time(), **info})
-        fut.set_result(self.model_version)
+        """Run pending swaps / rollbacks now, between two steps, without waiting for running requests."""
+        while self._swaps:
+            (updates, info), fut = self._swaps.popleft()
+            try:
+                if updates is None:
+                    self.engine.rollback_experts()
+                else:
+                    self.engine.swap_experts(updates)
+            except Exception as e:  # validation happened before; keep serving on the current weights
+                fut.set_exception(e)
+                continue
+            self.versions.append({"version": self.model_version, "time": time.time(), **info})
+            fut.set_result(self.model_version)
 
     def _admit(self) -> None:
-        if self._swaps:
-            return  # hold new requests until the pending swap has run
         while self._backlog and len(self._active) < self.max_batch_size:
             p = self._backlog.popleft()
             try:
