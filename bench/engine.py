@@ -190,6 +190,28 @@ def bench_single_stream(model, hf, args) -> None:
     RESULTS["_fp32_decode"] = (median(ours, 0), median(ours, 1))
 
 
+def bench_tiny_batch(args) -> None:
+    """A new user's first try: 32 short prompts on a 3-layer, hidden-128 checkpoint (the `tiny` preset cut to
+    3 layers), engine vs one padded transformers `generate` batch, alternated over the rounds."""
+    cfg = ModelConfig.from_preset("tiny", num_hidden_layers=3)
+    torch.manual_seed(0)
+    tiny = GLM5ForCausalLM(cfg).init_weights(0).eval()
+    ckpt = args.ckpt + "-tiny3"
+    save_pretrained(tiny, ckpt)
+    hf = hf_model(ckpt)
+    prompts = workload(32, 8, 48, seed=3)
+    n = args.max_tokens
+    engine_for(tiny, max_model_len=256).step()  # import/first-call warm-up outside the timings
+    res = alternate({"glm5": lambda: timed(run_engine, engine_for(tiny, max_model_len=256), prompts, n),
+                     "hf": lambda: timed(run_hf, hf, prompts, n, 32)}, args.rounds)
+    ours, theirs = run_engine(engine_for(tiny, max_model_len=256), prompts, n)[1], run_hf(hf, prompts, n, 32)[1]
+    gen = len(prompts) * n
+    record("tiny_batch32", layers=3, hidden=cfg.hidden_size, num_prompts=32, max_tokens=n, rounds=args.rounds,
+           glm5_tok_s=gen / median(res["glm5"], 0), hf_tok_s=gen / median(res["hf"], 0),
+           speedup=ratio_stats(res["hf"], res["glm5"], 0), speedup_cpu=ratio_stats(res["hf"], res["glm5"], 1),
+           identical_outputs=f"{sum(a == b for a, b in zip(ours, theirs))}/{len(prompts)}")
+
+
 def bench_kv(model) -> None:
     cfg = model.config
     ours, exp = bytes_per_token(cfg), expanded_bytes_per_token(cfg)
@@ -344,10 +366,12 @@ def main() -> None:
     args.rounds = 1 if q else 5
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt)
-    only = set(args.only or ["kv", "single", "offline", "int8", "offload", "bandwidth"])
+    only = set(args.only or ["kv", "tiny32", "single", "offline", "int8", "offload", "bandwidth"])
     hf = hf_model(args.ckpt) if only & {"single", "offline"} else None
     if "kv" in only:
         bench_kv(model)
+    if "tiny32" in only:
+        bench_tiny_batch(args)
     if "single" in only:
         bench_single_stream(model, hf, args)
     if "offline" in only:

@@ -394,3 +394,27 @@ def test_cli_serves_tiny_preset(tmp_path):
         code, out = proc.wait(timeout=60), proc.stdout.read()
         # uvicorn re-raises the caught SIGTERM after its graceful shutdown
         assert code in (0, -15) and "Application shutdown complete" in out, out
+
+
+def test_batches_group_prompts_of_similar_length():
+    """The oldest queued request goes first; the other free slots go to the prompts closest to it in length
+    (FIFO among equals); with batch_by_length off, plain FIFO."""
+    from types import SimpleNamespace
+
+    from glm5.serve.async_engine import AsyncEngine, _Pending
+    from glm5.serve.metrics import ServerMetrics
+
+    def queued(engine, lens):
+        ae = AsyncEngine(engine, ServerMetrics("x"))
+        for i, n in enumerate(lens):
+            ae._backlog.append(_Pending(f"r{i}", [1] * n, None, None, None))
+        return ae
+
+    cfg = dict(max_batch_size=3, preferred_batch_size=3, batch_timeout_ms=0)
+    ae = queued(SimpleNamespace(config=SimpleNamespace(**cfg, batch_by_length=True)), [50, 8, 400, 60, 45, 9])
+    assert [p.request_id for p in ae._next_batch()] == ["r0", "r4", "r3"]
+    assert [p.request_id for p in ae._backlog] == ["r1", "r2", "r5"]
+    ae._active = {"a": None, "b": None}  # one free slot: just the oldest
+    assert [p.request_id for p in ae._next_batch()] == ["r1"]
+    ae = queued(SimpleNamespace(config=SimpleNamespace(**cfg, batch_by_length=False)), [50, 8, 400, 60])
+    assert [p.request_id for p in ae._next_batch()] == ["r0", "r1", "r2"]

@@ -48,6 +48,7 @@ class EngineConfig:
     max_batch_size: int = 32  # requests per batch at most
     preferred_batch_size: int = 16  # dispatch as soon as this many are queued
     batch_timeout_ms: int = 500  # or when the oldest queued request waited this long
+    batch_by_length: bool = True  # fill a batch with the queued prompts closest in length to the oldest one
 
     def __post_init__(self):
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_batch_size", "preferred_batch_size")

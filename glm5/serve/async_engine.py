@@ -78,6 +78,7 @@ class AsyncEngine:
         timeout = getattr(cfg, "batch_timeout_ms", None)
         self.batch_timeout_s = float(batch_timeout_ms if timeout is None else timeout) / 1000.0
         self.max_waiting_requests = max_waiting_requests
+        self.batch_by_length = bool(getattr(cfg, "batch_by_length", True))
         self._commands: queue.Queue = queue.Queue()
         self._backlog: collections.deque[_Pending] = collections.deque()  # accepted, not in the engine yet
         self._active: dict[str, _Pending] = {}  # in the engine
@@ -275,8 +276,7 @@ class AsyncEngine:
             fut.set_result(self.model_version)
 
     def _admit(self) -> None:
-        while self._backlog and len(self._active) < self.max_batch_size:
-            p = self._backlog.popleft()
+        for p in self._next_batch():
             try:
                 self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params,
                                         infill=p.infill)
@@ -288,6 +288,23 @@ class AsyncEngine:
                 continue
             p.admitted = time.monotonic()
             self._active[p.request_id] = p
+
+    def _next_batch(self) -> list[_Pending]:
+        """The queued requests to admit now (up to the free batch slots). The oldest always goes first (no
+        starvation); with `batch_by_length` the other slots go to the prompts closest in length to it
+        (seed I6: requests of similar length batch together, so prefill chunks pad and finish alike)."""
+        free = self.max_batch_size - len(self._active)
+        if free <= 0 or not self._backlog:
+            return []
+        if not self.batch_by_length or len(self._backlog) <= free:
+            picked = [self._backlog.popleft() for _ in range(min(free, len(self._backlog)))]
+            return picked
+        first = self._backlog.popleft()
+        n = len(first.prompt_token_ids)
+        rest = sorted(self._backlog, key=lambda p: abs(len(p.prompt_token_ids) - n))[: free - 1]  # stable: FIFO ties
+        chosen = {id(p) for p in rest}
+        self._backlog = collections.deque(p for p in self._backlog if id(p) not in chosen)
+        return [first, *rest]
 
     def _step(self) -> None:
         outputs = self.engine.step()
