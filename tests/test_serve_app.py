@@ -44,9 +44,11 @@ class FakeEngine:
         self.max_model_len = self.config.max_model_len
         self.model_version, self.step_sleep, self.fail_step = 0, step_sleep, fail_step
         self.reqs, self.aborted, self.batch_sizes, self.swaps = {}, [], [], []
+        self.prompts = []  # every prompt the engine was given, in order
 
     def add_request(self, request_id, prompt=None, prompt_token_ids=None, params=None, infill=None):
         assert request_id not in self.reqs
+        self.prompts.append(list(prompt_token_ids))
         self.reqs[request_id] = (list(prompt_token_ids), params, [[] for _ in range(params.n)])
 
     def abort_request(self, request_id):
@@ -418,3 +420,36 @@ def test_batches_group_prompts_of_similar_length():
     assert [p.request_id for p in ae._next_batch()] == ["r1"]
     ae = queued(SimpleNamespace(config=SimpleNamespace(**cfg, batch_by_length=False)), [50, 8, 400, 60])
     assert [p.request_id for p in ae._next_batch()] == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("server", [{"engine": {"script": "Fine, thanks.", "max_session_len": 60}},
+                                    {"engine": {"script": "Fine, thanks.", "max_session_len": 60,
+                                                "session_policy": "summarize"}}], indirect=True)
+def test_server_side_sessions_keep_history_and_cut_it(server):
+    """`session_id`: the server prepends the session's history (the prompt is exactly the template over all
+    turns); past max_session_len (prompt + max_tokens) the oldest turns are dropped or summarised."""
+    engine, url = server
+    policy = engine.config.session_policy
+    h = {"Authorization": "Bearer none"}
+    sent, replies = [], []
+    for turn in range(6):
+        msg = {"role": "user", "content": f"turn {turn}: tell me more"}
+        body = {"model": "fake", "messages": [msg], "max_tokens": 8, "session_id": "s1"}
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers=h, timeout=30)
+        assert r.status_code == 200, r.text
+        sent.append(msg)
+        replies.append(r.json()["choices"][0]["message"]["content"])
+        info = r.json()["session"]
+        if turn == 0:
+            history = [msg]
+            assert engine.prompts[-1] == TOK.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        if turn == 1:  # the first reply is in the second prompt
+            full = [sent[0], {"role": "assistant", "content": replies[0]}, msg]
+            assert engine.prompts[-1] == TOK.apply_chat_template(full, add_generation_prompt=True, tokenize=True)
+        assert len(engine.prompts[-1]) + 8 <= 60 or info["history_messages"] <= 2, TOK.decode(engine.prompts[-1])
+    assert info["turns"] == 6 and info["cut_messages"] > 0 and info["cut_tokens"] > 0
+    assert TOK.decode(engine.prompts[-1]).count("tell me more") < 6  # the oldest turns are gone
+    if policy == "summarize":
+        assert info["summaries"] > 0
+        assert any("Summarize our conversation" in TOK.decode(p) for p in engine.prompts)
+        assert "Summary of the earlier conversation" in TOK.decode(engine.prompts[-1])

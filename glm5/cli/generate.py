@@ -42,6 +42,8 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--max-session-len", type=int, default=None, help="--interactive: history token limit")
+    p.add_argument("--session-policy", choices=["drop", "summarize"], default="drop",
+                   help="--interactive: past --max-session-len drop the oldest turns or summarise them")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     return p.parse_args(argv)
 
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from glm5.infer.llm import LLM  # noqa: PLC0415 (keep `glm5 --help` cheap)
     from glm5.infer.sampling import SamplingParams  # noqa: PLC0415
     opts = dict(quantization=args.quantization, speculative_num_tokens=args.speculative_num_tokens,
-                max_model_len=args.max_model_len, max_session_len=args.max_session_len)
+                max_model_len=args.max_model_len, max_session_len=args.max_session_len,
+                session_policy=args.session_policy)
     if args.device:
         opts["device"] = args.device
     llm = LLM(args.model, **opts)

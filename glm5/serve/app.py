@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
+from glm5.serve.sessions import SessionStore
 from glm5.serve import admin
 from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, RequestFailed
 from glm5.serve.common import APIError, ServerState, as_api_error
@@ -159,7 +160,8 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
     metrics = ServerMetrics(name)
     aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
                           on_failure=on_engine_failure)
-    state = ServerState(engine, aengine, tokenizer, config, name)
+    state = ServerState(engine, aengine, tokenizer, config, name,
+                        SessionStore(engine.config.max_session_len, engine.config.session_policy))
 
     @asynccontextmanager
     async def lifespan(app):

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import SamplingParams, check_token_ids
+from glm5.serve.sessions import SessionStore
 from glm5.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
 from glm5.serve.config import ServerConfig
 from glm5.serve.protocol import SamplingFields
@@ -54,6 +55,7 @@ class ServerState:
     tokenizer: GLMTokenizer
     config: ServerConfig
     model_name: str
+    sessions: SessionStore | None = None  # server-side chat sessions (`session_id`)
 
     @property
     def max_model_len(self) -> int:

@@ -185,6 +185,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)  # server-side history (sessions.py)
 
     @model_validator(mode="after")
     def _check_tools(self):

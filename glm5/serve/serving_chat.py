@@ -16,11 +16,13 @@ import jinja2
 from fastapi.responses import StreamingResponse
 
 from glm5.data.tokenizer import MissingSpecialTokens
+from glm5.infer.sampling import SamplingParams
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, sampling_params, sse,
                                token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
 from glm5.serve.parsers.tool_glm import TOOL_OPEN
-from glm5.serve.protocol import ChatCompletionRequest, NamedToolChoice, Usage, now
+from glm5.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Usage, now
+from glm5.serve.sessions import SUMMARY_REQUEST
 from glm5.serve.validation import check_tools
 
 EOS_TEXTS = ("<|endoftext|>", "<|user|>", "<|observation|>")
@@ -154,9 +156,10 @@ def _tool_delta(d) -> dict:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
     state.check_model(req.model)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    new_messages = await _with_session(state, req, requested, request_id) if req.session_id is not None else None
     text, forced, tools = render_prompt(state, req)
     prompt_ids = state.tokenizer.encode(text)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if requested == 0:
         raise APIError(400, "max_tokens: must be >= 1", param="max_tokens")
     max_tokens = max_tokens_for(state, req, len(prompt_ids), requested)
@@ -173,10 +176,43 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise APIError(500, "engine returned no output", "internal_server_error")
     version = first.model_version if first.model_version is not None else state.async_engine.model_version
     job = _ChatJob(state, req, request_id, choices, len(prompt_ids), top_k, version)
+    if new_messages is not None:
+        job.on_done = lambda reply: state.sessions.record(req.session_id, new_messages, reply)
     if req.stream:
         return StreamingResponse(job.stream(first, stream), media_type="text/event-stream",
                                  headers={"X-Model-Version": str(version)})
     return await job.collect(first, stream)
+
+
+async def _with_session(state: ServerState, req: ChatCompletionRequest, requested: int | None,
+                        request_id: str) -> list[dict]:
+    """Prepend the session's history to the request's messages, cutting (or summarising) the oldest turns
+    past max_session_len; -> the request's own new messages (recorded with the reply when it is done)."""
+    store, sid = state.sessions, req.session_id
+    new = [m.model_dump(exclude_none=True) for m in req.messages]
+    reserve = requested if requested is not None else state.config.default_max_tokens
+
+    def count(messages: list[dict]) -> int:
+        return len(state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    summarize = store.policy == "summarize"
+    headroom = min(96, (store.max_session_len or 0) // 4) if summarize else 0  # tokens kept free for a summary
+    history, cut = store.cut(sid, new, count, reserve + headroom)
+    if cut and summarize and headroom > 8:  # 8: the summary message's framing
+        summary = store.add_summary(sid, await _summary(state, cut, f"{request_id}-summary", headroom - 8))
+        store.cut(sid, new, count, reserve, keep=summary)  # never over the limit: more old turns go if needed
+    req.messages = [ChatMessage.model_validate(m) for m in store.messages_for(sid, new)]
+    return new
+
+
+async def _summary(state: ServerState, cut: list[dict], request_id: str, max_tokens: int) -> str:
+    """The model's own summary of the cut turns (greedy, no thinking)."""
+    ask = cut + [{"role": "user", "content": SUMMARY_REQUEST}]
+    ids = state.tokenizer.apply_chat_template(ask, add_generation_prompt=True, enable_thinking=False, tokenize=True)
+    final = None
+    async for out in state.async_engine.generate(request_id, list(ids), SamplingParams(temperature=0, max_tokens=max_tokens)):
+        final = out
+    return final.outputs[0].text if final is not None else ""
 
 
 class _ChatJob:
@@ -185,6 +221,12 @@ class _ChatJob:
         self.num_prompt_tokens, self.top_k, self.version = num_prompt_tokens, top_k, version
         self.created = now()
         self.num_generated = 0
+        self.on_done = None  # called with the first choice's reply message once the response is complete
+
+    def _done(self) -> None:
+        if self.on_done is not None:
+            msg = self.choices[0].message()
+            self.on_done({k: v for k, v in msg.items() if k != "reasoning_content" and v not in (None, [])})
 
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -205,6 +247,9 @@ class _ChatJob:
                     "logprobs": {"content": ch.logprobs} if self.top_k is not None else None,
                     "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in self.choices]
         body = {**self._chunk(choices), "object": "chat.completion", "usage": self._usage()}
+        self._done()
+        if self.req.session_id is not None:
+            body["session"] = self.state.sessions.info(self.req.session_id)
         return {**body, "_model_version": self.version}
 
     async def stream(self, first, rest) -> AsyncIterator[str]:
@@ -221,6 +266,7 @@ class _ChatJob:
                                       "stop_reason": ch.stop_reason if d["finished"] else None})
                 if chunk:
                     yield sse(self._chunk(chunk))
+            self._done()
             if self.req.stream_options and self.req.stream_options.include_usage:
                 yield sse({**self._chunk([]), "usage": self._usage()})
         except Exception as e:  # noqa: BLE001 - the stream ends with an error object, then [DONE]
