@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from glm5.infer import quant  # noqa: E402
 from glm5.infer.config import EngineConfig  # noqa: E402
-from glm5.infer.engine import LLMEngine  # noqa: E402
+from glm5.infer.engine import LLMEngine, load_tokenizer_for  # noqa: E402
 from glm5.model.kv_cache import bytes_per_token, expanded_bytes_per_token  # noqa: E402
 from glm5.infer.sampling import SamplingParams  # noqa: E402
 from glm5.model.config import ModelConfig  # noqa: E402
@@ -212,6 +212,29 @@ def bench_tiny_batch(args) -> None:
            identical_outputs=f"{sum(a == b for a, b in zip(ours, theirs))}/{len(prompts)}")
 
 
+def bench_sessions(args) -> None:
+    """Seed I8: KV a 24-turn conversation holds at its last turn, unlimited vs max_session_len 512 with the
+    drop and summarize policies (tiny preset, bundled tokenizer, 24 new tokens per reply)."""
+    from glm5.infer.session import Session
+    cfg = ModelConfig.from_preset("tiny")
+    torch.manual_seed(0)
+    tiny = GLM5ForCausalLM(cfg).init_weights(0).eval()
+    rows = {}
+    for name, limit, policy in (("unlimited", None, "drop"), ("drop", 512, "drop"), ("summarize", 512, "summarize")):
+        engine = LLMEngine(EngineConfig(model="tiny", device="cpu", max_model_len=2048, num_blocks=200), model=tiny,
+                           tokenizer=load_tokenizer_for("tiny", cfg.vocab_size))
+        sess = Session(engine, max_session_len=limit, policy=policy, system="You are a helpful assistant.")
+        t = time.perf_counter()
+        for turn in range(24):
+            out = sess.send(f"Turn {turn}: tell me one more thing about the history of tea.",
+                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        kv = (len(out.prompt_token_ids) + 24) * engine.runner.cache.bytes_per_token()
+        rows[name] = dict(last_prompt_tokens=len(out.prompt_token_ids), kv_bytes_last_turn=kv,
+                          seconds=time.perf_counter() - t, **sess.stats())
+    base = rows["unlimited"]["kv_bytes_last_turn"]
+    record("sessions_24_turns", **{k: {**v, "kv_vs_unlimited": v["kv_bytes_last_turn"] / base} for k, v in rows.items()})
+
+
 def bench_kv(model) -> None:
     cfg = model.config
     ours, exp = bytes_per_token(cfg), expanded_bytes_per_token(cfg)
@@ -366,12 +389,14 @@ def main() -> None:
     args.rounds = 1 if q else 5
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt)
-    only = set(args.only or ["kv", "tiny32", "single", "offline", "int8", "offload", "bandwidth"])
+    only = set(args.only or ["kv", "tiny32", "sessions", "single", "offline", "int8", "offload", "bandwidth"])
     hf = hf_model(args.ckpt) if only & {"single", "offline"} else None
     if "kv" in only:
         bench_kv(model)
     if "tiny32" in only:
         bench_tiny_batch(args)
+    if "sessions" in only:
+        bench_sessions(args)
     if "single" in only:
         bench_single_stream(model, hf, args)
     if "offline" in only:
