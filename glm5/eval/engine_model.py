@@ -3,7 +3,8 @@
 Requests are submitted in batches and the engine's continuous batching runs them together. Scoring
 shares work between requests with the same context: when every continuation of a context is one token
 (multiple choice with letter answers, the common case), the context runs once and one full next-token
-distribution (`logprobs=-1`) scores all of its choices. Longer continuations are scored from prompt
+distribution (`logprobs=-1`) scores all of its choices; and the prefix that a batch of contexts shares
+(the subject line and few-shot examples) is computed once and served from the engine's prefix cache. Longer continuations are scored from prompt
 log-probs (`prompt_logprobs=0`: the log-prob and rank of each prompt token); the engine computes those
 without its prefix cache, since it needs logits at every prompt position.
 """
@@ -47,11 +48,16 @@ class EngineModel(EvalModel):
         return results  # type: ignore[return-value]
 
     def _score_next_token(self, pairs, by_context: dict[tuple[int, ...], list[int]], results) -> None:
-        """One request per distinct context; its next-token distribution scores each 1-token choice."""
-        contexts = list(by_context)
+        """One request per distinct context; its next-token distribution scores each 1-token choice.
+        Contexts go in sorted order and each batch's common prefix (few-shot examples, the subject line)
+        is run once first, so the engine's prefix cache serves it to the whole batch."""
+        contexts = sorted(by_context)
         params = SamplingParams(max_tokens=1, temperature=0, logprobs=-1, ignore_eos=True)
         for start in range(0, len(contexts), self.batch_size):
             batch = contexts[start:start + self.batch_size]
+            shared = common_prefix(batch)
+            if len(batch) > 1 and len(shared) >= 2 * self.llm.engine.config.block_size:
+                self.llm.generate([list(shared)], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
             for ctx, out in zip(batch, self.llm.generate([list(c) for c in batch], params)):
                 dist = out.outputs[0].logprobs[0]  # {token id: Logprob} over the whole vocabulary
                 for i in by_context[ctx]:
@@ -84,3 +90,12 @@ class EngineModel(EvalModel):
             outs = self.llm.generate(ids[start:start + self.batch_size], sp)
             texts += [[c.text for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
         return texts
+
+
+def common_prefix(seqs: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Longest common prefix of token sequences (sorted input: the first and last bound it)."""
+    first, last = min(seqs), max(seqs)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]
