@@ -1,7 +1,7 @@
 """Distillation result: SmolLM2-135M-Instruct (teacher) -> GLM-5-architecture tiny student, against the
 same student trained for the same steps without the teacher, on the bundled corpus (2 CPU cores).
 
-    python bench/distill_smollm2.py --out runs/distill [--steps 200 --max-train-tokens 32768]
+    python bench/distill_smollm2.py --out runs/distill [--steps 40 --max-train-tokens 16384]
 
 1. `glm5 distill` twice with one config: alpha = 0.5 (teacher top-32 at T = 2, cached on disk) and
    alpha = 1 (baseline: no teacher). Same seed, data, steps, schedule. Both resume if interrupted.
@@ -29,9 +29,9 @@ from glm5.eval.report import write_report
 from glm5.eval.tasks import TaskConfig, build_task
 
 CHANCE = {"mmlu": 0.25, "ceval": 0.25, "exact": 0.0, "queries": 0.0}
-TASKS = [TaskConfig(task="mmlu"), TaskConfig(task="ceval"),
-         TaskConfig(task="exact", regex="([A-Za-z_][A-Za-z0-9_]*)", max_tokens=8, limit=60),
-         TaskConfig(task="queries", max_tokens=32, limit=40)]
+TASKS = [TaskConfig(task="mmlu"), TaskConfig(task="ceval", limit=60),
+         TaskConfig(task="exact", regex="([A-Za-z_][A-Za-z0-9_]*)", max_tokens=8, limit=40),
+         TaskConfig(task="queries", max_tokens=24, limit=20)]
 
 
 def train(out: Path, name: str, alpha: float, args) -> tuple[dict, object]:
@@ -76,9 +76,9 @@ def evaluate(out: Path) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/distill")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--max-train-tokens", type=int, default=32768)
-    ap.add_argument("--val-tokens", type=int, default=8256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--max-train-tokens", type=int, default=16384)
+    ap.add_argument("--val-tokens", type=int, default=4128)
     args = ap.parse_args()
     out = Path(args.out)
     kd, data = train(out, "kd", 0.5, args)
