@@ -44,6 +44,9 @@ def parse(argv):
     ap.add_argument("--api-model", help="URL models: model name on the server")
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--backend", choices=["engine", "hf"], default="engine",
+                    help="checkpoints: the glm5 engine, or transformers for any causal LM")
+    ap.add_argument("--gguf-file", help="hf backend: GGUF file inside --model")
     ap.add_argument("--device")
     ap.add_argument("--no-special-tokens", action="store_true",
                     help="score text without the tokenizer's prefix tokens (as lm-eval's local-completions)")
@@ -63,7 +66,8 @@ def config_from_flags(args):
                       samples=args.samples, n=args.n, k=[int(k) for k in args.k.split(",")],
                       temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, regex=args.regex,
                       judge_url=args.judge_url, judge_model=args.judge_model, timeout_s=args.timeout)
-    spec = ModelSpec(model=args.model or "samples", tokenizer=args.tokenizer, api_model=args.api_model,
+    spec = ModelSpec(model=args.model or "samples", backend=args.backend, gguf_file=args.gguf_file,
+                     tokenizer=args.tokenizer, api_model=args.api_model,
                      max_length=args.max_length, batch_size=args.batch_size, device=args.device,
                      add_special_tokens=not args.no_special_tokens)
     return spec, task

@@ -16,6 +16,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from glm5.core.config import to_dict
 from glm5.core.io import atomic_write_json
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class ModelSpec:
     model: str  # checkpoint directory, preset name, or http(s):// URL of an OpenAI-compatible server
+    backend: Literal["engine", "hf"] = "engine"  # checkpoints: glm5 engine, or transformers (any causal LM)
+    gguf_file: str | None = None  # hf backend: GGUF file name inside `model` (e.g. the SmolLM2 teacher)
     name: str | None = None  # label in results (default: model)
     tokenizer: str | None = None  # URL models: tokenizer directory for log-likelihood scoring
     api_model: str | None = None  # URL models: model name on the server (default: its first)
@@ -67,6 +70,11 @@ def build_model(spec: ModelSpec) -> EvalModel:
         return OpenAIModel(spec.model, tokenizer=tok, model=spec.api_model, api_key=spec.api_key,
                            max_length=spec.max_length, batch_size=min(16, spec.batch_size), name=spec.label,
                            add_special_tokens=spec.add_special_tokens)
+    if spec.backend == "hf":
+        from .hf_model import HFModel  # noqa: PLC0415
+        return HFModel(spec.model, gguf_file=spec.gguf_file, max_length=spec.max_length,
+                       batch_size=min(16, spec.batch_size), add_special_tokens=spec.add_special_tokens,
+                       name=spec.label, device=spec.device or "cpu")
     from .engine_model import EngineModel  # noqa: PLC0415
     opts = {k: v for k, v in (("device", spec.device), ("dtype", spec.dtype)) if v is not None}
     return EngineModel(spec.model, max_length=spec.max_length, batch_size=spec.batch_size, name=spec.label,
