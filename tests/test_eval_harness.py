@@ -104,6 +104,12 @@ def test_cli_mmlu_and_ppl_on_a_checkpoint(tmp_path, ckpt, one_thread, capsys):
     res = json.loads(out.read_text())
     assert res["task"] == "mmlu" and res["n"] == 8 and set(res["metrics"]) == {"acc", "acc_norm"}
     assert 0 <= res["metrics"]["acc"] <= 1 and res["stderr"]["acc"] > 0
+    hf_out = tmp_path / "mmlu_hf.json"  # the transformers backend scores the same questions the same way
+    assert glm5_main(argv[:-5] + ["--output", str(hf_out), "--no-progress", "--max-length", "256",
+                                  "--backend", "hf"]) == 0
+    hf_lls = [json.loads(x)["record"]["lls"] for x in hf_out.with_suffix(".records.jsonl").read_text().splitlines()[1:]]
+    lls = [json.loads(x)["record"]["lls"] for x in out.with_suffix(".records.jsonl").read_text().splitlines()[1:]]
+    assert sum(hf_lls, []) == pytest.approx(sum(lls, []), abs=2e-4)
     texts = tmp_path / "texts.jsonl"
     texts.write_text('{"text": "Hello world."}\n{"text": "你好，世界。"}\n')
     assert glm5_main(["eval", "--model", str(ckpt), "--task", "ppl", "--data", str(texts), "--output",
