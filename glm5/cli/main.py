@@ -22,6 +22,7 @@ COMMANDS = {
     "distill": ("distill", "knowledge distillation into a small student: `glm5 distill --config ...`"),
     "lm-eval": ("lm_eval_cli", "lm-evaluation-harness with `--model glm5` registered: `glm5 lm-eval run ...`"),
     "quickstart": ("quickstart", "the main job: data pipeline -> train tiny -> generate"),
+    "ocr": ("ocr", "OCR agent: `glm5 ocr IMAGE... [--format json|md|txt] [--rounds N] [--model CKPT]`"),
 }
 
 

@@ -2,6 +2,7 @@
 
     glm5 serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--admin-key KEY]
                [--config serve.toml] [--engine.max_num_seqs=64 | --max_num_seqs=64] [--server.key=value]
+               [--ocr [--ocr-model CKPT] [--ocr-rounds N]]   # POST /v1/ocr and image_url chat parts
 
 `--config` is a TOML file with `[engine]` (EngineConfig) and `[server]` (ServerConfig) tables. Engine and
 server fields can be overridden as `--engine.key=value` / `--server.key=value`, or flat as `--key=value`
@@ -82,8 +83,18 @@ def _qualify(pairs: list[str]) -> list[str]:
     return out
 
 
+def parse_ocr_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`--ocr [--ocr-model CKPT] [--ocr-rounds N]`: answer image_url parts and POST /v1/ocr with the OCR agent."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--ocr", action="store_true")
+    p.add_argument("--ocr-model", default=None)
+    p.add_argument("--ocr-rounds", type=int, default=2)
+    return p.parse_known_args(argv)
+
+
 def main(argv: list[str]) -> int:
     try:
+        ocr_args, argv = parse_ocr_args(argv)
         engine_cfg, server_cfg = parse_args(argv)
     except ConfigError as e:
         print(f"glm5 serve: {e}")
@@ -98,7 +109,16 @@ def main(argv: list[str]) -> int:
         print(f"glm5 serve: cannot start the engine: {e}")
         return 2
     server: GracefulServer | None = None
-    app = create_app(engine, config=server_cfg, on_engine_failure=lambda e: server.engine_failed(e))
+    agent, reader = None, None
+    if ocr_args.ocr:
+        from glm5.apps.ocr import server as ocr_server
+        from glm5.apps.ocr.agent import OcrAgent, OcrConfig
+        agent = OcrAgent(OcrConfig(rounds=ocr_args.ocr_rounds, model=ocr_args.ocr_model))
+        reader = lambda url: ocr_server.image_part_text(agent, url)  # noqa: E731
+    app = create_app(engine, config=server_cfg, on_engine_failure=lambda e: server.engine_failed(e),
+                     image_reader=reader)
+    if agent is not None:
+        ocr_server.install(app, agent)
     server = GracefulServer(app, server_cfg.host, server_cfg.port, server_cfg.shutdown_timeout_s)
     print(f"glm5 serve: {app.state.serve.model_name} on http://{server_cfg.host}:{server_cfg.port} "
           f"(auth {'on' if server_cfg.api_key else 'off'}, admin {'on' if server_cfg.admin_key else 'off'})")

@@ -14,6 +14,7 @@ import hmac
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -147,11 +148,13 @@ def _json_response(body: dict) -> JSONResponse:
 
 
 def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config: ServerConfig | None = None,
-               model_name: str | None = None, on_engine_failure=None) -> FastAPI:
+               model_name: str | None = None, on_engine_failure=None,
+               image_reader: Callable[[str], str] | None = None) -> FastAPI:
     """The app over `engine`; the context limit is the engine's `max_model_len`.
     `on_engine_failure(exc)` runs (on the engine thread) if the engine loop dies of a fault that no
     single request explains; `glm5 serve` uses it to exit non-zero. Without it the server stays up and
-    answers 503 "engine failed" (and /health 503) until it is restarted."""
+    answers 503 "engine failed" (and /health 503) until it is restarted. `image_reader(url) -> text`
+    answers `image_url` chat parts (the OCR agent); without it they are a 400."""
     config = config or ServerConfig()
     tokenizer = tokenizer or engine.tokenizer
     if tokenizer is None:  # text in and out needs one; say so at start, not as a 500 per request
@@ -161,7 +164,8 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
     aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
                           on_failure=on_engine_failure)
     state = ServerState(engine, aengine, tokenizer, config, name,
-                        SessionStore(engine.config.max_session_len, engine.config.session_policy))
+                        SessionStore(engine.config.max_session_len, engine.config.session_policy),
+                        image_reader=image_reader)
 
     @asynccontextmanager
     async def lifespan(app):

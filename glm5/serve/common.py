@@ -9,7 +9,7 @@ import asyncio
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
@@ -56,6 +56,9 @@ class ServerState:
     config: ServerConfig
     model_name: str
     sessions: SessionStore | None = None  # server-side chat sessions (`session_id`)
+    # Turns an `image_url` part's URL into text for the prompt (the OCR agent under `glm5 serve --ocr`);
+    # raises ValueError for an unreadable image. None: image parts are refused with a 400.
+    image_reader: Callable[[str], str] | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -10,6 +10,7 @@ which in GLM's format leaves the model no other way to continue; thinking is clo
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 import jinja2
@@ -154,8 +155,40 @@ def _tool_delta(d) -> dict:
     return out
 
 
+async def read_images(state: ServerState, req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """Replace every `image_url` content part by the text `state.image_reader` makes of it (in a worker
+    thread: OCR is slow); without a reader, image parts are a 400."""
+    parts = [(m, k) for m in req.messages if isinstance(m.content, list)
+             for k, p in enumerate(m.content) if p.get("type") == "image_url"]
+    if not parts:
+        return req
+    if state.image_reader is None:
+        raise APIError(400, "messages: image_url parts need the OCR agent (start the server with --ocr)",
+                       param="messages", code="images_not_supported")
+    req = req.model_copy(deep=True)
+    for n, m in enumerate(req.messages):
+        if not isinstance(m.content, list):
+            continue
+        for k, part in enumerate(m.content):
+            if part.get("type") != "image_url":
+                continue
+            spec = part.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else spec
+            if not isinstance(url, str) or not url:
+                raise APIError(400, f"messages[{n}].content[{k}].image_url.url: a data: URL is required",
+                               param="messages")
+            try:
+                text = await asyncio.to_thread(state.image_reader, url)
+            except ValueError as e:
+                raise APIError(400, f"messages[{n}].content[{k}]: {e}", param="messages",
+                               code="invalid_image") from e
+            m.content[k] = {"type": "text", "text": text}
+    return req
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
     state.check_model(req.model)
+    req = await read_images(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     new_messages = await _with_session(state, req, requested, request_id) if req.session_id is not None else None
     text, forced, tools = render_prompt(state, req)

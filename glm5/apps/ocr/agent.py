@@ -1,0 +1,112 @@
+"""The OCR agent: image -> perception -> correction rounds -> layout -> `PageResult`.
+
+    agent = OcrAgent(OcrConfig(rounds=2, model="runs/ocr-lm/final"))
+    result = agent.read_bytes(open("page.png", "rb").read(), "page.png")
+    print(to_markdown(result))
+
+Round 0 is the recogniser's greedy reading. Round 1 re-recognises doubtful lines from re-processed
+crops. Rounds 2..N ask the language model (`OcrConfig.model`, a glm5 checkpoint with its tokenizer)
+about the lines that are still doubtful; they stop early when no line changed or every doubtful
+line is settled. Without a model, rounds past 1 are skipped (and the summary says so). Every text
+change is a `Change` (round, line, before, after, why) in the result.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm5.apps.ocr import correct, layout
+from glm5.apps.ocr.image import MAX_PIXELS, load_image
+from glm5.apps.ocr.perception import Perception
+from glm5.apps.ocr.render import PageResult
+
+
+@dataclass(kw_only=True)
+class OcrConfig:
+    rounds: int = 2
+    """0 = recogniser only, 1 = + re-recognition of doubtful lines, N >= 2 = + up to N-1 language-model rounds."""
+    threshold: float = 0.9
+    """A line is doubtful while any of its characters (or optional insertions) is under this confidence."""
+    model: str | None = None
+    """glm5 checkpoint directory (with tokenizer.json) for the language-model rounds; None skips them."""
+    lm_weight: float = 0.5
+    """Weight of the language model's log-probability against the recogniser's."""
+    max_candidates: int = 16
+    """Candidate readings scored per doubtful line."""
+    max_edits: int = 3
+    """Most characters a language-model round may change in one line."""
+    num_threads: int = 0
+    """onnxruntime threads (0 = its default)."""
+    max_pixels: int = MAX_PIXELS
+    """Larger images are refused (decompression-bomb guard)."""
+
+    def __post_init__(self):
+        if self.rounds < 0:
+            raise ValueError("rounds: must be >= 0")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError("threshold: must be in (0, 1]")
+        if self.lm_weight < 0:
+            raise ValueError("lm_weight: must be >= 0")
+        if self.max_candidates < 2 or self.max_edits < 1:
+            raise ValueError("max_candidates: must be >= 2 and max_edits >= 1")
+
+
+class OcrAgent:
+    """Reads pages. Thread-safe: one page at a time (the stages are CPU-bound and already threaded)."""
+
+    def __init__(self, config: OcrConfig | None = None, perception: Perception | None = None, scorer=None):
+        self.config = config or OcrConfig()
+        self.perception = perception or Perception(self.config.num_threads)
+        if scorer is None and self.config.model and self.config.rounds >= 2:
+            from glm5.apps.ocr.lm import LMScorer  # noqa: PLC0415 - loads torch models only when needed
+            scorer = LMScorer.from_pretrained(self.config.model)
+        self.scorer = scorer
+        self._lock = threading.Lock()
+
+    def read_bytes(self, data: bytes, name: str = "image", rounds: int | None = None) -> PageResult:
+        """Encoded image -> result; `ImageError` for anything that is not a readable image."""
+        return self.read(load_image(data, name, self.config.max_pixels), name, rounds)
+
+    def read(self, rgb: np.ndarray, name: str = "image", rounds: int | None = None) -> PageResult:
+        """[H, W, 3] uint8 RGB page -> result (`rounds` overrides the configured number)."""
+        rounds = self.config.rounds if rounds is None else rounds
+        with self._lock:
+            return self._read(rgb, name, rounds)
+
+    def _read(self, rgb: np.ndarray, name: str, rounds: int) -> PageResult:
+        cfg = self.config
+        bgr = np.ascontiguousarray(rgb[:, :, ::-1])
+        lines = self.perception(rgb)
+        summaries = [{"round": 0, "kind": "recognition", "lines": len(lines),
+                      "doubtful_after": sum(correct.doubtful(ln, cfg.threshold) for ln in lines)}]
+        changes = []
+        if rounds >= 1:
+            found, summary = correct.rerecognise(lines, bgr, self.perception.recognizer, cfg.threshold)
+            changes += found
+            summaries.append(summary)
+        res = PageResult(rgb.shape[1], rgb.shape[0], lines, layout.analyse(lines, bgr), changes, summaries, name)
+        if rounds >= 2 and self.scorer is None:
+            res.rounds.append({"round": 2, "kind": "language-model", "skipped": "no correction model configured"})
+        elif rounds >= 2 and self._lm_rounds(res, rounds):
+            res.layout = layout.analyse(lines, bgr)  # corrected texts may change list/code typing
+        return res
+
+    def _lm_rounds(self, res: PageResult, rounds: int) -> bool:
+        """Language-model rounds 2..rounds; True when some line changed."""
+        cfg = self.config
+        order = res.layout.reading_order()
+        block_of = {i: n for n, b in enumerate(res.layout.blocks) for i in b.lines}
+        code = {i for b in res.layout.blocks if b.kind == "code" for i in b.lines}
+        settled: set[int] = set()
+        for round_no in range(2, rounds + 1):
+            changes, summary = correct.lm_correct(res.lines, order, block_of, self.scorer, cfg.threshold,
+                                                  cfg.lm_weight, cfg.max_candidates, cfg.max_edits, settled,
+                                                  round_no, code)
+            res.changes += changes
+            res.rounds.append(summary)
+            if not changes:
+                break
+        return any(c.round >= 2 for c in res.changes)

@@ -1,0 +1,206 @@
+"""The correction rounds. Each takes the page's lines, rewrites the doubtful ones and says what it did.
+
+Round 1 (`rerecognise`): every line with a character under the confidence threshold is cropped again
+in several ways (padded, upscaled and denoised, binarised, deskewed) and read again; the reading
+with the best mean slot confidence wins if it beats the current one.
+
+Rounds 2+ (`lm_correct`): the remaining doubtful lines get candidate readings from their confusion
+networks (rivals, deletions, insertions at doubtful slots only, at most `max_edits` of them), and a
+glm5 language model scores each candidate inside its neighbouring lines. A candidate's score is
+`lm_weight * log P_lm(context with candidate) + log P_recogniser(candidate)` (a noisy-channel
+combination); the best one is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm5.apps.ocr import ctc
+from glm5.apps.ocr.perception import Line, Reading, Recognizer, crop_line
+from glm5.apps.ocr.render import Change, join_lines
+
+
+def doubtful(line: Line, threshold: float) -> bool:
+    return bool(line.reading.slots) and line.reading.min_conf < threshold
+
+
+def slot_score(reading: Reading) -> float:
+    """Mean confidence over all slots, doubtful insertions included (0 for an empty reading)."""
+    return float(np.mean([s.conf for s in reading.slots])) if reading.slots else 0.0
+
+
+# ---------------------------------------------------------------- round 1
+
+
+def crop_variants(bgr: np.ndarray, quad: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """Re-processed crops of one line: (name, BGR image)."""
+    import cv2  # noqa: PLC0415 - optional dependency
+
+    padded = crop_line(bgr, quad, pad=0.12)
+    up = cv2.resize(padded, None, fx=2.0, fy=2.0, interpolation=cv2.INTER_CUBIC)
+    denoised = cv2.bilateralFilter(up, 7, 50, 7)
+    gray = cv2.cvtColor(cv2.GaussianBlur(up, (3, 3), 0), cv2.COLOR_BGR2GRAY)
+    _, binary = cv2.threshold(gray, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    binarised = cv2.cvtColor(binary, cv2.COLOR_GRAY2BGR)
+    return [("padded", padded), ("upscaled+denoised", denoised), ("binarised", binarised),
+            ("deskewed", _deskew(binarised, binary))]
+
+
+def _deskew(image: np.ndarray, binary: np.ndarray) -> np.ndarray:
+    """Rotate a line crop so that its ink lies level (angle of the ink's minimum-area rectangle)."""
+    import cv2  # noqa: PLC0415
+
+    ink = np.column_stack(np.nonzero(binary < 128))  # [N, 2] (row, col)
+    if len(ink) < 20:
+        return image
+    (_, _), (w, h), angle = cv2.minAreaRect(ink[:, ::-1].astype(np.float32))
+    if w < h:
+        angle -= 90.0
+    angle = ((angle + 45.0) % 90.0) - 45.0
+    if abs(angle) < 0.3 or abs(angle) > 5.0:
+        return image
+    rows, cols = image.shape[:2]
+    m = cv2.getRotationMatrix2D((cols / 2, rows / 2), angle, 1.0)
+    return cv2.warpAffine(image, m, (cols, rows), flags=cv2.INTER_CUBIC, borderValue=(255, 255, 255))
+
+
+def rerecognise(lines: list[Line], bgr: np.ndarray, recognizer: Recognizer, threshold: float,
+                round_no: int = 1) -> tuple[list[Change], dict]:
+    """Round 1 over all doubtful lines; replaces readings in place, returns changes and a summary."""
+    todo = [i for i, ln in enumerate(lines) if doubtful(ln, threshold)]
+    crops, owners = [], []
+    for i in todo:
+        for name, img in crop_variants(bgr, lines[i].quad):
+            crops.append(img)
+            owners.append((i, name))
+    readings = recognizer(crops) if crops else []
+    best: dict[int, tuple[float, str, Reading]] = {}
+    for (i, name), r in zip(owners, readings):
+        s = slot_score(r)
+        if s > best.get(i, (-1.0,))[0]:
+            best[i] = (s, name, r)
+    changes = []
+    for i in todo:
+        if i not in best:
+            continue
+        s, name, r = best[i]
+        old = slot_score(lines[i].reading)
+        if s <= old:
+            continue
+        before = lines[i].reading.text
+        lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
+        lines[i].reading, lines[i].source = r, name
+        if r.text != before:
+            changes.append(Change(round_no, i, before, r.text,
+                                  f"re-recognised from a {name} crop: confidence {old:.2f} -> {s:.2f}"))
+    summary = {"round": round_no, "kind": "re-recognition", "examined": len(todo), "changed": len(changes),
+               "doubtful_after": sum(doubtful(ln, threshold) for ln in lines)}
+    return changes, summary
+
+
+# ---------------------------------------------------------------- rounds 2+
+
+
+@dataclass
+class Candidate:
+    choice: tuple[int, ...]  # option index per slot
+    rec_logprob: float
+    edits: int
+
+    def text(self, slots: list[ctc.Slot]) -> str:
+        return "".join(s.options[k][0] for s, k in zip(slots, self.choice))
+
+
+def candidates(slots: list[ctc.Slot], threshold: float, max_candidates: int = 16, per_slot: int = 3,
+               max_edits: int = 3) -> list[Candidate]:
+    """Beam over the confusion network: doubtful slots may take their top `per_slot` options or
+    "nothing" (deletion); other slots keep their best. Greedy reading first; distinct texts only."""
+    beams = [Candidate((), 0.0, 0)]
+    for s in slots:
+        opts = [0]
+        if s.conf < threshold:
+            opts += list(range(1, min(per_slot, len(s.options))))
+            opts += [k for k, (t, _) in enumerate(s.options) if t == "" and k not in opts]
+        grown = []
+        for b in beams:
+            for k in opts:
+                edits = b.edits + (k != 0)
+                if edits <= max_edits:
+                    p = max(s.options[k][1], 1e-6)
+                    grown.append(Candidate(b.choice + (k,), b.rec_logprob + math.log(p), edits))
+        grown.sort(key=lambda c: -c.rec_logprob)
+        beams = grown[: max_candidates * 2]
+        if not any(b.edits == 0 for b in beams):  # the greedy reading always stays in the beam
+            beams.append(next(b for b in grown if b.edits == 0))
+    out, seen = [], set()
+    for c in beams:
+        t = c.text(slots)
+        if t not in seen:
+            seen.add(t)
+            out.append(c)
+    greedy = next(c for c in out if c.edits == 0)
+    rest = [c for c in out if c is not greedy]
+    return [greedy] + rest[: max_candidates - 1]
+
+
+def chosen_reading(slots: list[ctc.Slot], choice: tuple[int, ...]) -> Reading:
+    """The reading that spells `choice`: each slot's chosen option moved to the front."""
+    return Reading([ctc.Slot([s.options[k]] + [o for j, o in enumerate(s.options) if j != k])
+                    for s, k in zip(slots, choice)])
+
+
+def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], scorer, threshold: float,
+               lm_weight: float, max_candidates: int, max_edits: int, settled: set[int], round_no: int,
+               code_lines: set[int] = frozenset()) -> tuple[list[Change], dict]:
+    """One language-model round over the doubtful, unsettled lines (in reading order)."""
+    changes, examined = [], 0
+    for pos, i in enumerate(order):
+        if i in settled or not doubtful(lines[i], threshold):
+            continue
+        cands = candidates(lines[i].reading.slots, threshold, max_candidates, max_edits=max_edits)
+        if len(cands) < 2:
+            settled.add(i)
+            continue
+        examined += 1
+        prefix, suffix = _context(lines, order, block_of, pos)
+        texts = [c.text(lines[i].reading.slots).strip() for c in cands]
+        sep = "\n" if i in code_lines else None
+        full = [_join(prefix + [t] + suffix, sep) for t in texts]
+        lm = scorer.logprob(full)
+        totals = [lm_weight * a + c.rec_logprob for a, c in zip(lm, cands)]
+        ranked = sorted(range(len(cands)), key=lambda k: -totals[k])
+        best, runner_up = ranked[0], ranked[1]
+        if totals[best] - totals[runner_up] > math.log(9.0):  # posterior >= 0.9 among the top two
+            settled.add(i)
+        if best == 0:
+            continue
+        before = lines[i].reading.text
+        lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
+        lines[i].reading = chosen_reading(lines[i].reading.slots, cands[best].choice)
+        lines[i].source = "language-model"
+        changes.append(Change(round_no, i, before, lines[i].reading.text,
+                              f"language model preferred it among {len(cands)} candidates: score "
+                              f"{totals[best]:.2f} vs {totals[0]:.2f} for the recogniser's reading "
+                              f"(lm {lm[best]:.2f} vs {lm[0]:.2f}, recogniser {cands[best].rec_logprob:.2f} "
+                              f"vs {cands[0].rec_logprob:.2f})"))
+    summary = {"round": round_no, "kind": "language-model", "examined": examined, "changed": len(changes),
+               "doubtful_after": sum(doubtful(ln, threshold) for ln in lines)}
+    return changes, summary
+
+
+def _context(lines: list[Line], order: list[int], block_of: dict[int, int], pos: int,
+             before: int = 2, after: int = 1) -> tuple[list[str], list[str]]:
+    """Texts of up to `before` lines before and `after` lines after, within the same block."""
+    block = block_of.get(order[pos])
+    prev = [order[p] for p in range(max(0, pos - before), pos) if block_of.get(order[p]) == block]
+    nxt = [order[p] for p in range(pos + 1, min(len(order), pos + 1 + after)) if block_of.get(order[p]) == block]
+    text = lambda j: lines[j].reading.text.strip()  # noqa: E731
+    return [text(j) for j in prev], [text(j) for j in nxt]
+
+
+def _join(parts: list[str], sep: str | None) -> str:
+    parts = [p for p in parts if p]
+    return sep.join(parts) if sep is not None else join_lines(parts)

@@ -1,0 +1,366 @@
+"""Layout: recognised lines -> blocks (heading, paragraph, list, code, table) in reading order.
+
+Works on geometry only (plus the line texts for list markers and code), in a frame rotated by the
+page's skew so that rotated scans lay out like straight ones:
+
+1. skew = median slope of the long lines;
+2. tables = ruled grids found in the image (morphological opening keeps long rules), their lines
+   become cells by row and column;
+3. columns = vertical gutters: x-ranges that many lines flank and almost none cross; a line or table
+   that crosses a gutter spans columns and splits the page into bands;
+4. reading order = band by band, each band column by column (left to right), top to bottom;
+5. blocks = runs of lines in one column with small vertical gaps and similar height, then typed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from glm5.apps.ocr.perception import Line
+
+LIST_MARKER = re.compile(r"^\s*(?:[•·●▪◦‣\-–*+]|\d{1,3}[.)、]|[a-zA-Z][.)]|\(\d{1,3}\)|\([a-z]\))\s*(?=\S)")
+_CODE_TOKEN = re.compile(r"(^(def|class|return|import|from|if|elif|else|for|while|try|except|finally|with|"
+                         r"raise|yield|assert|pass|break|continue|lambda|async|await|@)\b)|[(){}\[\]=;:#]\s*$|"
+                         r"\bself\.|==|!=|\w\(|\)\s*:|\w+\.\w+\(|^#|\"\"\"|'''")
+
+
+@dataclass
+class Block:
+    """A run of lines read together. `rows` holds a table's cells (line indices) row by row."""
+
+    kind: str  # heading | paragraph | list | code | table
+    lines: list[int]  # indices into the page's line list, in reading order
+    column: int = 0
+    rows: list[list[list[int]]] = field(default_factory=list)  # table: rows -> cells -> line indices
+    indents: list[int] = field(default_factory=list)  # code: leading spaces per line
+    blank_before: list[int] = field(default_factory=list)  # code: empty lines before each line
+    joins_previous: list[bool] = field(default_factory=list)  # line continues the previous one's row
+
+    def visual_rows(self) -> list[list[int]]:
+        """Lines grouped into rows: the detector may cut one printed line into several pieces."""
+        rows: list[list[int]] = []
+        for n, i in enumerate(self.lines):
+            if rows and n < len(self.joins_previous) and self.joins_previous[n]:
+                rows[-1].append(i)
+            else:
+                rows.append([i])
+        return rows
+
+
+@dataclass
+class PageLayout:
+    skew: float  # degrees
+    blocks: list[Block]
+    num_columns: int
+
+    def reading_order(self) -> list[int]:
+        return [i for b in self.blocks for i in b.lines]
+
+
+@dataclass
+class _Item:
+    """A line, or a whole table, placed on the deskewed page."""
+
+    box: tuple[float, float, float, float]
+    lines: list[int]
+    table: Block | None = None
+
+
+def analyse(lines: list[Line], page_bgr: np.ndarray | None = None) -> PageLayout:
+    """Lines (any order) -> typed blocks in reading order. `page_bgr` enables ruled-table detection."""
+    keep = [i for i, ln in enumerate(lines) if ln.reading.text.strip()]
+    if not keep:
+        return PageLayout(0.0, [], 0)
+    skew = estimate_skew([lines[i] for i in keep])
+    h, w = page_bgr.shape[:2] if page_bgr is not None else (0, 0)
+    boxes = {i: _upright_box(lines[i].quad, skew, (w / 2, h / 2)) for i in keep}
+    items, used = [], set()
+    if page_bgr is not None:
+        for grid in find_tables(page_bgr, skew):
+            table = _table_block(grid, boxes, used)
+            if table is not None:
+                used.update(table.lines)
+                items.append(_Item(grid.bbox, table.lines, table))
+    items += [_Item(boxes[i], [i]) for i in keep if i not in used]
+    heights = np.array([boxes[i][3] - boxes[i][1] for i in keep])
+    line_h = float(np.median(heights))
+    gutters = find_gutters([it.box for it in items if it.table is None], line_h)
+    blocks = []
+    for column, band_items in _columns_in_bands(items, gutters):
+        blocks += _blocks(band_items, boxes, lines, line_h, column)
+    return PageLayout(skew, blocks, len(gutters) + 1)
+
+
+def estimate_skew(lines: list[Line]) -> float:
+    """Median top-edge slope (degrees) of lines at least 4x as wide as tall; 0 without such lines."""
+    angles = [ln.angle for ln in lines if (ln.box[2] - ln.box[0]) > 4 * max(1.0, ln.height)]
+    return float(np.median(angles)) if angles else 0.0
+
+
+def _rotate(points: np.ndarray, degrees: float, centre: tuple[float, float]) -> np.ndarray:
+    """Rotate [N, 2] points by -degrees about centre (undo a skew of `degrees`)."""
+    a = math.radians(-degrees)
+    c, s = math.cos(a), math.sin(a)
+    d = points - np.asarray(centre, dtype=np.float64)
+    return np.stack([d[:, 0] * c - d[:, 1] * s, d[:, 0] * s + d[:, 1] * c], axis=1) + centre
+
+
+def _upright_box(quad: np.ndarray, skew: float, centre) -> tuple[float, float, float, float]:
+    p = _rotate(quad.astype(np.float64), skew, centre)
+    return float(p[:, 0].min()), float(p[:, 1].min()), float(p[:, 0].max()), float(p[:, 1].max())
+
+
+# ---------------------------------------------------------------- tables
+
+
+@dataclass
+class Grid:
+    """A ruled table in the deskewed frame: the x of its vertical rules, the y of its horizontal ones."""
+
+    xs: list[float]
+    ys: list[float]
+
+    @property
+    def bbox(self) -> tuple[float, float, float, float]:
+        return self.xs[0], self.ys[0], self.xs[-1], self.ys[-1]
+
+
+def find_tables(page_bgr: np.ndarray, skew: float) -> list[Grid]:
+    """Ruled grids: long thin horizontal and vertical strokes that cross each other."""
+    import cv2  # noqa: PLC0415 - optional dependency
+
+    gray = cv2.cvtColor(page_bgr, cv2.COLOR_BGR2GRAY)
+    h, w = gray.shape
+    if abs(skew) > 0.05:  # rules must be axis-aligned for the opening below
+        m = cv2.getRotationMatrix2D((w / 2, h / 2), skew, 1.0)
+        gray = cv2.warpAffine(gray, m, (w, h), flags=cv2.INTER_LINEAR, borderValue=255)
+    ink = cv2.adaptiveThreshold(gray, 255, cv2.ADAPTIVE_THRESH_MEAN_C, cv2.THRESH_BINARY_INV, 25, 15)
+    span = max(20, w // 12)
+    horiz = cv2.morphologyEx(ink, cv2.MORPH_OPEN, cv2.getStructuringElement(cv2.MORPH_RECT, (span, 1)))
+    vert = cv2.morphologyEx(ink, cv2.MORPH_OPEN, cv2.getStructuringElement(cv2.MORPH_RECT, (1, max(15, h // 40))))
+    grids = []
+    n, labels, stats, _ = cv2.connectedComponentsWithStats(cv2.dilate(horiz | vert, np.ones((3, 3), np.uint8)))
+    for k in range(1, n):
+        x, y, bw, bh, _ = stats[k]
+        if bw < span or bh < 20:
+            continue
+        region = labels[y:y + bh, x:x + bw] == k
+        ys = _rule_positions(horiz[y:y + bh, x:x + bw] * region, axis=1, min_len=0.6 * bw)
+        xs = _rule_positions(vert[y:y + bh, x:x + bw] * region, axis=0, min_len=0.6 * bh)
+        if len(xs) >= 2 and len(ys) >= 3:  # at least two rows between three rules
+            grids.append(Grid([x + v for v in xs], [y + v for v in ys]))
+    return grids
+
+
+def _rule_positions(mask: np.ndarray, axis: int, min_len: float) -> list[float]:
+    """Centres of runs of rows (axis=1) / columns (axis=0) holding a rule at least min_len long."""
+    counts = (mask > 0).sum(axis=axis)
+    hits = np.flatnonzero(counts >= min_len)
+    if hits.size == 0:
+        return []
+    runs = np.split(hits, np.flatnonzero(np.diff(hits) > 2) + 1)
+    return [float(r.mean()) for r in runs]
+
+
+def _table_block(grid: Grid, boxes: dict[int, tuple], used: set[int]) -> Block | None:
+    rows: list[list[list[int]]] = [[[] for _ in grid.xs[1:]] for _ in grid.ys[1:]]
+    members = []
+    for i, (x0, y0, x1, y1) in boxes.items():
+        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        if i in used or not (grid.xs[0] <= cx <= grid.xs[-1] and grid.ys[0] <= cy <= grid.ys[-1]):
+            continue
+        r = int(np.searchsorted(grid.ys, cy)) - 1
+        c = int(np.searchsorted(grid.xs, cx)) - 1
+        rows[min(max(r, 0), len(rows) - 1)][min(max(c, 0), len(rows[0]) - 1)].append(i)
+        members.append(i)
+    if not members:
+        return None
+    rows = [[sorted(cell, key=lambda i: (boxes[i][1], boxes[i][0])) for cell in row] for row in rows
+            if any(row)]
+    order = [i for row in rows for cell in row for i in cell]
+    return Block("table", order, rows=rows)
+
+
+# ---------------------------------------------------------------- columns and reading order
+
+
+def find_gutters(boxes: list[tuple], line_h: float) -> list[tuple[float, float]]:
+    """Vertical gutters: x-ranges at least one line-height wide that at most a few lines cross while
+    many lines end on their left and start on their right."""
+    if len(boxes) < 6:
+        return []
+    x_min = int(min(b[0] for b in boxes))
+    x_max = int(math.ceil(max(b[2] for b in boxes)))
+    cover = np.zeros(x_max - x_min + 1, dtype=np.int32)
+    for x0, _, x1, _ in boxes:
+        cover[int(x0) - x_min:int(math.ceil(x1)) - x_min + 1] += 1
+    low = cover <= max(2, 0.15 * len(boxes))
+    gutters = []
+    for run in np.split(np.flatnonzero(low), np.flatnonzero(np.diff(np.flatnonzero(low)) > 1) + 1):
+        if run.size == 0 or run[0] == 0 or run[-1] == len(cover) - 1 or run.size < line_h:
+            continue
+        g0, g1 = run[0] + x_min, run[-1] + x_min
+        left = sum(1 for b in boxes if b[2] <= g0 + 1)
+        right = sum(1 for b in boxes if b[0] >= g1 - 1)
+        if min(left, right) >= 3:
+            gutters.append((float(g0), float(g1)))
+    return gutters
+
+
+def _columns_in_bands(items: list[_Item], gutters: list[tuple[float, float]]):
+    """Yield (column, items) in reading order: bands split at column-spanning items, columns within a band."""
+    def column_of(box) -> int | None:
+        x0, _, x1, _ = box
+        col = 0
+        for g0, g1 in gutters:
+            if x0 < g0 + 1 and x1 > g1 - 1:
+                return None  # crosses this gutter: spans columns
+            if x0 >= g1 - 1:
+                col += 1
+        return col
+
+    ordered = sorted(items, key=lambda it: (it.box[1], it.box[0]))
+    band: list[tuple[int, _Item]] = []
+    for it in ordered:
+        col = column_of(it.box)
+        if col is None:
+            yield from _flush(band)
+            band = []
+            yield 0, [it]
+        else:
+            band.append((col, it))
+    yield from _flush(band)
+
+
+def _flush(band: list[tuple[int, "_Item"]]):
+    for col in sorted({c for c, _ in band}):
+        yield col, [it for c, it in band if c == col]
+
+
+# ---------------------------------------------------------------- blocks
+
+
+def _blocks(items: list[_Item], boxes, lines: list[Line], line_h: float, column: int) -> list[Block]:
+    """Group one column's items (top to bottom) into typed blocks."""
+    out: list[Block] = []
+    run: list[int] = []
+    prev = None
+    for it in items:
+        if it.table is not None:
+            out += _typed(run, boxes, lines, line_h, column)
+            run, prev = [], None
+            it.table.column = column
+            out.append(it.table)
+            continue
+        i = it.lines[0]
+        if prev is not None and _breaks(boxes[prev], boxes[i], line_h):
+            out += _typed(run, boxes, lines, line_h, column)
+            run = []
+        run.append(i)
+        prev = i
+    out += _typed(run, boxes, lines, line_h, column)
+    return _merge_code(out, boxes, lines, line_h)
+
+
+def _breaks(a: tuple, b: tuple, line_h: float) -> bool:
+    """Does a new block start between vertically consecutive lines a and b?"""
+    gap = b[1] - a[3]
+    ha, hb = a[3] - a[1], b[3] - b[1]
+    if b[1] < a[3] - 0.5 * min(ha, hb):  # side by side on one row: same block only if close
+        return b[0] - a[2] > 2 * line_h
+    if abs(ha - hb) > 0.25 * max(ha, hb):
+        return True
+    return gap > 0.75 * max(ha, hb, 0.8 * line_h)
+
+
+def _typed(run: list[int], boxes, lines: list[Line], line_h: float, column: int) -> list[Block]:
+    if not run:
+        return []
+    run = _row_major(run, boxes)
+    texts = [lines[i].reading.text.strip() for i in run]
+    height = float(np.median([boxes[i][3] - boxes[i][1] for i in run]))
+    joins = [False] + [_same_row(boxes[a], boxes[b]) for a, b in zip(run, run[1:])]
+    if sum(not j for j in joins) <= 2 and height > 1.3 * line_h:
+        kind = "heading"
+    elif _is_code(texts):
+        kind = "code"
+    elif LIST_MARKER.match(texts[0]) and (len(run) == 1 or any(LIST_MARKER.match(t) for t in texts[1:])):
+        kind = "list"
+    else:
+        kind = "paragraph"
+    return [Block(kind, run, column, joins_previous=joins)]
+
+
+def _same_row(a: tuple, b: tuple) -> bool:
+    overlap = min(a[3], b[3]) - max(a[1], b[1])
+    return overlap > 0.5 * min(a[3] - a[1], b[3] - b[1]) and b[0] >= a[2] - 2
+
+
+def _row_major(run: list[int], boxes) -> list[int]:
+    """Top to bottom; pieces that overlap vertically form one row, read left to right."""
+    rows: list[list[int]] = []
+    for i in sorted(run, key=lambda i: boxes[i][1]):
+        row = rows[-1] if rows else None
+        if row is not None and any(min(boxes[j][3], boxes[i][3]) - max(boxes[j][1], boxes[i][1]) >
+                                   0.5 * min(boxes[j][3] - boxes[j][1], boxes[i][3] - boxes[i][1]) for j in row):
+            row.append(i)
+        else:
+            rows.append([i])
+    return [i for row in rows for i in sorted(row, key=lambda i: boxes[i][0])]
+
+
+def _is_code(texts: list[str]) -> bool:
+    if len(texts) < 2:
+        return False
+    hits = sum(bool(_CODE_TOKEN.search(t)) for t in texts)
+    return hits >= max(2, 0.5 * len(texts))
+
+
+def _merge_code(blocks: list[Block], boxes, lines: list[Line], line_h: float) -> list[Block]:
+    """Code split at blank lines is one listing: merge code blocks that follow within ~2 lines, then
+    recover indentation and the blank lines."""
+    out: list[Block] = []
+    for b in blocks:
+        prev = out[-1] if out else None
+        follows = prev is not None and prev.kind == "code" and \
+            boxes[b.lines[0]][1] - boxes[prev.lines[-1]][3] < 2.5 * line_h
+        if follows and (b.kind == "code" or (b.kind == "paragraph" and all(
+                _CODE_TOKEN.search(lines[i].reading.text.strip()) for i in b.lines))):
+            prev.lines = prev.lines + b.lines
+            prev.joins_previous = prev.joins_previous + b.joins_previous
+            continue
+        out.append(b)
+    for b in out:
+        if b.kind == "code":
+            b.indents = _indents(b.lines, boxes, lines)
+            b.blank_before = _blank_lines(b.lines, boxes)
+    return out
+
+
+def _indents(run: list[int], boxes, lines: list[Line]) -> list[int]:
+    """Leading spaces per code line: left offset over the monospace character width (median of
+    box width / characters), snapped to multiples of the smallest indent step of 2+ characters."""
+    widths = [(boxes[i][2] - boxes[i][0]) / len(lines[i].reading.text.strip())
+              for i in run if len(lines[i].reading.text.strip()) >= 6]
+    if not widths:
+        return [0] * len(run)
+    char_w = float(np.median(widths))
+    left = min(boxes[i][0] for i in run)
+    raw = [max(0, round((boxes[i][0] - left) / char_w)) for i in run]
+    levels = sorted(set(raw))
+    step = min((b - a for a, b in zip(levels, levels[1:]) if b - a >= 2), default=0)
+    if step:
+        return [round(n / step) * step for n in raw]
+    return raw
+
+
+def _blank_lines(run: list[int], boxes) -> list[int]:
+    pitch = [boxes[b][1] - boxes[a][1] for a, b in zip(run, run[1:])]
+    if not pitch:
+        return [0] * len(run)
+    step = float(np.median(pitch))
+    return [0] + [max(0, round(p / step) - 1) for p in pitch]

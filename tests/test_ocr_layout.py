@@ -1,0 +1,128 @@
+"""Layout analysis and rendering on hand-placed lines (no OCR model): reading order across columns,
+skewed pages, ruled tables, lists, code indentation, and the Markdown / text / JSON outputs."""
+
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cv2")
+
+from glm5.apps.ocr import ctc  # noqa: E402
+from glm5.apps.ocr.layout import analyse  # noqa: E402
+from glm5.apps.ocr.perception import Line, Reading  # noqa: E402
+from glm5.apps.ocr.render import PageResult, to_json, to_markdown, to_text  # noqa: E402
+
+W, H = 900, 1000
+
+
+def line(text, x0, y0, x1, y1, conf=0.99):
+    quad = np.array([[x0, y0], [x1, y0], [x1, y1], [x0, y1]], dtype=np.float32)
+    return Line(quad, Reading([ctc.Slot([(ch, conf)]) for ch in text]))
+
+
+def rotate(lines, degrees, centre=(W / 2, H / 2)):
+    a = math.radians(degrees)
+    rot = np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]], dtype=np.float32)
+    for ln in lines:
+        ln.quad = (ln.quad - centre) @ rot.T + centre
+    return lines
+
+
+def two_columns():
+    lines = [line("A Title Across Both Columns", 50, 40, 700, 80)]
+    for k in range(6):
+        y = 120 + 30 * k
+        lines.append(line(f"left column line number {k} of text", 50, y, 420, y + 20))
+        lines.append(line(f"right column line number {k} of text", 470, y, 850, y + 20))
+    lines.append(line("A footer paragraph spanning the page width at the bottom", 50, 340, 850, 360))
+    return lines
+
+
+def texts_in_order(lines, lay):
+    return [lines[i].reading.text for i in lay.reading_order()]
+
+
+@pytest.mark.parametrize("skew", [0.0, 2.5, -3.0])
+def test_two_columns_read_column_by_column(skew):
+    lines = rotate(two_columns(), skew)
+    lay = analyse(lines, np.full((H, W, 3), 255, np.uint8))
+    got = texts_in_order(lines, lay)
+    want = (["A Title Across Both Columns"] + [f"left column line number {k} of text" for k in range(6)]
+            + [f"right column line number {k} of text" for k in range(6)]
+            + ["A footer paragraph spanning the page width at the bottom"])
+    assert got == want
+    assert lay.num_columns == 2 and lay.skew == pytest.approx(skew, abs=0.2)
+    assert [b.kind for b in lay.blocks] == ["heading", "paragraph", "paragraph", "paragraph"]
+
+
+def ruled_table(cv2, skew=0.0):
+    img = np.full((H, W, 3), 255, np.uint8)
+    xs, ys = [100, 300, 500, 700], [200, 240, 280, 320]
+    for x in xs:
+        cv2.line(img, (x, ys[0]), (x, ys[-1]), (0, 0, 0), 1)
+    for y in ys:
+        cv2.line(img, (xs[0], y), (xs[-1], y), (0, 0, 0), 1)
+    cells = [["Name", "Size", "Kind"], ["alpha", "12", "file"], ["beta gamma", "7.5", "dir"]]
+    lines = [line("Some text above the table", 100, 150, 500, 170)]
+    for r, row in enumerate(cells):
+        for c, text in enumerate(row):
+            lines.append(line(text, xs[c] + 10, ys[r] + 10, xs[c] + 10 + 12 * len(text), ys[r] + 30))
+    if skew:
+        m = cv2.getRotationMatrix2D((W / 2, H / 2), -skew, 1.0)  # cv2: positive = counter-clockwise
+        img = cv2.warpAffine(img, m, (W, H), borderValue=(255, 255, 255))
+        rotate(lines, skew)
+    return img, lines, cells
+
+
+@pytest.mark.parametrize("skew", [0.0, 2.0])
+def test_ruled_table_becomes_rows_and_markdown_table(skew):
+    cv2 = pytest.importorskip("cv2")
+    img, lines, cells = ruled_table(cv2, skew)
+    lay = analyse(lines, img)
+    table = next(b for b in lay.blocks if b.kind == "table")
+    assert [[" ".join(lines[i].reading.text for i in cell) for cell in row] for row in table.rows] == cells
+    res = PageResult(W, H, lines, lay)
+    md = to_markdown(res)
+    assert "| Name | Size | Kind |\n|---|---|---|\n| alpha | 12 | file |\n| beta gamma | 7.5 | dir |" in md
+    assert "Name        Size  Kind\nalpha       12    file\nbeta gamma  7.5   dir" in to_text(res)
+    assert to_json(res)["blocks"][1]["rows"] == cells
+
+
+def test_lists_code_and_headings_render_with_structure():
+    lines = [line("Big Heading", 50, 30, 400, 75),
+             line("• first item", 50, 110, 300, 130), line("continues here", 70, 136, 300, 156),
+             line("2. second item", 50, 162, 300, 182),
+             line("def f(x):", 50, 240, 158, 260), line("if x:", 98, 268, 158, 288),  # 12 px per character
+             line("return g(x)", 146, 296, 278, 316), line("return None", 98, 352, 230, 372),
+             line("Plain paragraph text that wraps", 50, 420, 500, 440), line("onto a second line.", 50, 446, 300, 466)]
+    lay = analyse(lines, np.full((H, W, 3), 255, np.uint8))
+    assert [b.kind for b in lay.blocks] == ["heading", "list", "code", "paragraph"]
+    res = PageResult(W, H, lines, lay)
+    assert to_markdown(res) == (
+        "# Big Heading\n\n- first item continues here\n2. second item\n\n"
+        "```\ndef f(x):\n    if x:\n        return g(x)\n\n    return None\n```\n\n"
+        "Plain paragraph text that wraps onto a second line.\n")
+    assert "def f(x):\n    if x:\n        return g(x)\n\n    return None" in to_text(res)
+
+
+def test_json_has_ids_confidences_and_reading_order():
+    lines = two_columns()
+    lines[1] = line("left column line number 0 of text", 50, 120, 420, 140, conf=0.5)
+    res = PageResult(W, H, lines, analyse(lines, None), name="p.png")
+    doc = to_json(res)
+    flat = [ln for b in doc["blocks"] for ln in b["lines"]]
+    assert [ln["id"] for ln in flat] == doc["reading_order"] == list(range(len(lines)))
+    assert flat[1]["confidence"] == pytest.approx(0.5) and len(flat[1]["char_confidences"]) == 33
+    assert doc["columns"] == 2 and doc["name"] == "p.png"
+
+
+def test_empty_page_is_an_empty_valid_result():
+    res = PageResult(W, H, [], analyse([], np.full((H, W, 3), 255, np.uint8)))
+    assert to_markdown(res) == "" and to_text(res) == "" and to_json(res)["blocks"] == []
+
+
+def test_cjk_lines_join_without_spaces():
+    lines = [line("第一行文字", 50, 100, 300, 124), line("第二行 and English", 50, 130, 300, 154)]
+    res = PageResult(W, H, lines, analyse(lines, None))
+    assert to_markdown(res) == "第一行文字第二行 and English\n"
