@@ -82,3 +82,15 @@ def test_weak_language_model_does_not_override_the_recogniser():
     # recogniser: log(0.35 / 0.6) = -0.54 outweighs the +0.3 bonus
     assert changes == [] and lines[1].reading.text == "cot sat"
     assert math.log(0.35 / 0.6) + 0.3 < 0
+
+
+def test_text_after_each_round_comes_from_the_change_history():
+    from glm5.apps.ocr.layout import analyse
+    from glm5.apps.ocr.render import PageResult
+    lines = page()
+    for k, ln in enumerate(lines):
+        ln.quad = torch.tensor([[0, 30 * k], [200, 30 * k], [200, 30 * k + 20], [0, 30 * k + 20]]).float().numpy()
+    res = PageResult(300, 100, lines, analyse(lines, None))
+    lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), 0.9, 1.0, 8, 2, set(), 2)
+    assert res.reading_text() == "the black\ncat sat\non a mat"
+    assert res.reading_text(after_round=1) == res.reading_text(after_round=0) == "the black\ncot sat\non a mat"

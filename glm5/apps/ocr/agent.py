@@ -34,7 +34,7 @@ class OcrConfig:
     """glm5 checkpoint directory (with tokenizer.json) for the language-model rounds; None skips them."""
     lm_weight: float = 0.5
     """Weight of the language model's log-probability against the recogniser's."""
-    max_candidates: int = 16
+    max_candidates: int = 8
     """Candidate readings scored per doubtful line."""
     max_edits: int = 3
     """Most characters a language-model round may change in one line."""

@@ -1,8 +1,8 @@
 """The correction rounds. Each takes the page's lines, rewrites the doubtful ones and says what it did.
 
 Round 1 (`rerecognise`): every line with a character under the confidence threshold is cropped again
-in several ways (padded, upscaled and denoised, binarised, deskewed) and read again; the reading
-with the best mean slot confidence wins if it beats the current one.
+in several ways (padded, upscaled and denoised, binarised and deskewed) and read again; the reading
+with the best mean slot confidence wins if it beats the current one by `MIN_GAIN`.
 
 Rounds 2+ (`lm_correct`): the remaining doubtful lines get candidate readings from their confusion
 networks (rivals, deletions, insertions at doubtful slots only, at most `max_edits` of them), and a
@@ -23,6 +23,10 @@ from glm5.apps.ocr.perception import Line, Reading, Recognizer, crop_line
 from glm5.apps.ocr.render import Change, join_lines
 
 
+MIN_DELETE = 0.3
+MIN_GAIN = 0.03  # round 1 replaces a reading only if its mean slot confidence rises by this much
+
+
 def doubtful(line: Line, threshold: float) -> bool:
     return bool(line.reading.slots) and line.reading.min_conf < threshold
 
@@ -36,35 +40,37 @@ def slot_score(reading: Reading) -> float:
 
 
 def crop_variants(bgr: np.ndarray, quad: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """Re-processed crops of one line: (name, BGR image)."""
+    """Re-processed crops of one line: (name, BGR image). The last is binarised, and deskewed by the
+    ink's own slant when that is more than 0.3 degrees."""
     import cv2  # noqa: PLC0415 - optional dependency
 
     padded = crop_line(bgr, quad, pad=0.12)
     up = cv2.resize(padded, None, fx=2.0, fy=2.0, interpolation=cv2.INTER_CUBIC)
-    denoised = cv2.bilateralFilter(up, 7, 50, 7)
+    denoised = cv2.medianBlur(up, 3)
     gray = cv2.cvtColor(cv2.GaussianBlur(up, (3, 3), 0), cv2.COLOR_BGR2GRAY)
     _, binary = cv2.threshold(gray, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    binarised = cv2.cvtColor(binary, cv2.COLOR_GRAY2BGR)
-    return [("padded", padded), ("upscaled+denoised", denoised), ("binarised", binarised),
-            ("deskewed", _deskew(binarised, binary))]
+    binarised, skew = _deskew(cv2.cvtColor(binary, cv2.COLOR_GRAY2BGR), binary)
+    return [("padded", padded), ("upscaled+denoised", denoised),
+            ("binarised+deskewed" if skew else "binarised", binarised)]
 
 
-def _deskew(image: np.ndarray, binary: np.ndarray) -> np.ndarray:
-    """Rotate a line crop so that its ink lies level (angle of the ink's minimum-area rectangle)."""
+def _deskew(image: np.ndarray, binary: np.ndarray) -> tuple[np.ndarray, float]:
+    """Rotate a line crop so that its ink lies level (angle of the ink's minimum-area rectangle);
+    returns the image and the angle applied (0.0 when the ink is level or the estimate implausible)."""
     import cv2  # noqa: PLC0415
 
     ink = np.column_stack(np.nonzero(binary < 128))  # [N, 2] (row, col)
     if len(ink) < 20:
-        return image
+        return image, 0.0
     (_, _), (w, h), angle = cv2.minAreaRect(ink[:, ::-1].astype(np.float32))
     if w < h:
         angle -= 90.0
     angle = ((angle + 45.0) % 90.0) - 45.0
     if abs(angle) < 0.3 or abs(angle) > 5.0:
-        return image
+        return image, 0.0
     rows, cols = image.shape[:2]
     m = cv2.getRotationMatrix2D((cols / 2, rows / 2), angle, 1.0)
-    return cv2.warpAffine(image, m, (cols, rows), flags=cv2.INTER_CUBIC, borderValue=(255, 255, 255))
+    return cv2.warpAffine(image, m, (cols, rows), flags=cv2.INTER_CUBIC, borderValue=(255, 255, 255)), angle
 
 
 def rerecognise(lines: list[Line], bgr: np.ndarray, recognizer: Recognizer, threshold: float,
@@ -88,7 +94,7 @@ def rerecognise(lines: list[Line], bgr: np.ndarray, recognizer: Recognizer, thre
             continue
         s, name, r = best[i]
         old = slot_score(lines[i].reading)
-        if s <= old:
+        if s < old + MIN_GAIN:  # small gains are noise between equally good readings
             continue
         before = lines[i].reading.text
         lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
@@ -122,8 +128,10 @@ def candidates(slots: list[ctc.Slot], threshold: float, max_candidates: int = 16
     for s in slots:
         opts = [0]
         if s.conf < threshold:
-            opts += list(range(1, min(per_slot, len(s.options))))
-            opts += [k for k, (t, _) in enumerate(s.options) if t == "" and k not in opts]
+            opts += [k for k in range(1, min(per_slot, len(s.options))) if s.options[k][0]]
+            # dropping a character: only when the recogniser itself gives that >= MIN_DELETE (a language
+            # model, weak or not, likes shorter texts)
+            opts += [k for k, (t, p) in enumerate(s.options) if t == "" and k and p >= MIN_DELETE]
         grown = []
         for b in beams:
             for k in opts:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # A blank stretch becomes an optional insertion when a character reached this probability inside it.
-INSERT_MIN_PROB = 0.15
+INSERT_MIN_PROB = 0.3
 # Rivals kept per emitted character (the deletion option comes on top).
 NUM_RIVALS = 4
 

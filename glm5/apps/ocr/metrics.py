@@ -48,12 +48,12 @@ def _owner(page: Page, box) -> int | None:
     return best
 
 
-def line_cer(res: PageResult, page: Page) -> tuple[int, int]:
+def line_cer(res: PageResult, page: Page, after_round: int | None = None) -> tuple[int, int]:
     """Recognition errors independent of reading order (spaces ignored: line pieces join without them)."""
     pieces: dict[int, list[tuple[float, str]]] = {}
     edits = 0
     for i, ln in enumerate(res.lines):
-        text = ln.reading.text.replace(" ", "")
+        text = res.line_text(i, after_round).replace(" ", "")
         owner = _owner(page, ln.box)
         if owner is None:
             edits += len(text)

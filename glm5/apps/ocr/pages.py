@@ -82,6 +82,17 @@ class TextPool:
         return pool
 
 
+def bundled_pool(split: str = "validation") -> TextPool:
+    """The pool from glm5's bundled corpus (`glm5/data/assets/corpus/<split>.jsonl.gz`)."""
+    import gzip  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from glm5.core.resources import bundled  # noqa: PLC0415
+
+    with gzip.open(bundled(f"corpus/{split}.jsonl.gz"), "rt", encoding="utf-8") as f:
+        return TextPool.from_documents(json.loads(line) for line in f)
+
+
 def _paragraphs(text: str) -> list[str]:
     return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
 

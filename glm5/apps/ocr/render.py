@@ -39,25 +39,31 @@ class PageResult:
     rounds: list[dict] = field(default_factory=list)  # per round: lines examined, changed, still uncertain
     name: str = "image"
 
-    def line_text(self, i: int) -> str:
-        return self.lines[i].reading.text.strip()
+    def line_text(self, i: int, after_round: int | None = None) -> str:
+        """A line's text now, or as it stood at the end of `after_round` (from its change history)."""
+        ln = self.lines[i]
+        if after_round is not None:
+            later = [h for h in ln.history if h["round"] > after_round]
+            if later:
+                return later[0]["text"].strip()
+        return ln.reading.text.strip()
 
-    def row_texts(self, b: Block) -> list[tuple[int, str]]:
+    def row_texts(self, b: Block, after_round: int | None = None) -> list[tuple[int, str]]:
         """(position in b.lines of the row's first piece, the row's text) per printed line of a block."""
         out, n = [], 0
         for row in b.visual_rows():
-            out.append((n, " ".join(t for t in (self.line_text(i) for i in row) if t)))
+            out.append((n, " ".join(t for t in (self.line_text(i, after_round) for i in row) if t)))
             n += len(row)
         return out
 
-    def reading_text(self) -> str:
+    def reading_text(self, after_round: int | None = None) -> str:
         """Printed lines in reading order, one per line (table cells row-major): what CER is measured on."""
         parts = []
         for b in self.layout.blocks:
             if b.kind == "table":
-                parts += [self.line_text(i) for i in b.lines]
+                parts += [self.line_text(i, after_round) for i in b.lines]
             else:
-                parts += [t for _, t in self.row_texts(b)]
+                parts += [t for _, t in self.row_texts(b, after_round)]
         return "\n".join(parts)
 
 

@@ -1,0 +1,48 @@
+"""The evaluation pages and metrics: the generator is deterministic, its ground truth matches what
+a reference OCR library reads on clean pages, and the agent keeps layout on them (slow: real OCR on
+full pages)."""
+
+import numpy as np
+import pytest
+
+from glm5.apps.ocr.pages import LAYOUTS, TextPool, degrade, layout_fonts, render_page
+
+DOCS = [{"lang": "en", "text": " ".join(f"Sentence number {k} talks about the quick brown fox." for k in range(4))
+         + f"\n\nSecond paragraph {j} with more words to wrap around the page width nicely."} for j in range(30)]
+DOCS += [{"lang": "code", "text": "\n".join(["def f(x):", "    if x:", "        return g(x)", "    return None", ""] * 6)}]
+DOCS += [{"lang": "zh", "text": "床前明月光，疑是地上霜。举头望明月，低头思故乡。这是一个用于测试的中文段落。"} for _ in range(5)]
+
+
+def test_pages_are_reproducible_and_degradations_move_boxes():
+    pool = TextPool.from_documents(DOCS)
+    a, b = render_page("two_column", pool, 3), render_page("two_column", pool, 3)
+    assert np.array_equal(np.asarray(a.image), np.asarray(b.image)) and a.text() == b.text()
+    assert render_page("two_column", pool, 4).text() != a.text()
+    r1, r2 = degrade(a, "rotate", 3), degrade(a, "rotate", 3)
+    assert np.array_equal(np.asarray(r1.image), np.asarray(r2.image))
+    assert r1.lines[5].box != a.lines[5].box and r1.text() == a.text()
+    code = render_page("code", pool, 0)
+    assert {ln.indent for ln in code.lines if ln.kind == "code"} == {0, 4, 8}
+
+
+@pytest.mark.slow
+def test_agent_on_generated_pages():
+    pytest.importorskip("rapidocr_onnxruntime")
+    from glm5.apps.ocr import metrics as M
+    from glm5.apps.ocr.agent import OcrAgent, OcrConfig
+    from glm5.apps.ocr.pages import bundled_pool
+    pool = bundled_pool()
+    agent = OcrAgent(OcrConfig(rounds=1))
+    for layout in LAYOUTS:
+        if layout_fonts(layout) is None:
+            continue  # no CJK font: the mixed page is skipped, as the benchmark does
+        page = render_page(layout, pool, 0)
+        res = agent.read(np.asarray(page.image))
+        edits, n = M.cer(res.reading_text(), page.text())
+        assert edits / n < (0.2 if layout == "mixed" else 0.05), (layout, res.reading_text())
+        assert M.reading_order_accuracy(res, page) > 0.97, layout
+        if layout == "table":
+            assert any(b.kind == "table" for b in res.layout.blocks)
+        if layout == "code":
+            right, total = M.indent_accuracy(res, page)
+            assert total and right / total > 0.7
