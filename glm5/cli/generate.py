@@ -55,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from glm5.infer.llm import LLM  # noqa: PLC0415 (keep `glm5 --help` cheap)
     from glm5.infer.sampling import SamplingParams  # noqa: PLC0415
+    # one prompt (or one beam per request): size the default KV cache for a few full-length sequences,
+    # not the engine's 256 (max_model_len is the model's whole context unless given)
     opts = dict(quantization=args.quantization, speculative_num_tokens=args.speculative_num_tokens,
                 max_model_len=args.max_model_len, max_session_len=args.max_session_len,
-                session_policy=args.session_policy)
+                session_policy=args.session_policy, max_num_seqs=max(4, 2 * (args.beam_width or 1)))
     if args.device:
         opts["device"] = args.device
     llm = LLM(args.model, **opts)
