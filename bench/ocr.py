@@ -2,7 +2,8 @@
 
     python bench/ocr.py eval --model runs/ocr-lm/final [--layouts ...] [--conditions ...] [--seeds 0]
                              [--out docs/ocr-eval.json] [--plots docs/img]
-    python bench/ocr.py speed [--pages 6] [--model CKPT]      # pages/s + peak RSS per stage
+    python bench/ocr.py speed [--pages 5] [--model CKPT]      # pages/s + peak RSS per stage
+    python bench/ocr.py report --log eval.log --plots docs/img  # tables + plots from an eval's output
 
 `eval` reads every (layout, condition, seed) page once with the full agent (`--rounds`, default 2) and
 scores the text as it stood after round 0 (recogniser), round 1 (re-recognition) and round 2+
@@ -152,7 +153,8 @@ def speed(args) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["eval", "speed", "_stage"])
+    ap.add_argument("mode", choices=["eval", "speed", "report", "_stage"])
+    ap.add_argument("--log", default=None, help="report: an `eval` run's stdout (one JSON line per page)")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -167,8 +169,13 @@ def main(argv=None) -> int:
     if args.mode == "_stage":
         print(json.dumps(speed_stage(args)))
         return 0
-    result = evaluate(args) if args.mode == "eval" else {"speed": speed(args)}
-    if args.mode == "eval":
+    if args.mode == "report":  # summarise the pages an eval run printed (also a run cut short)
+        with open(args.log) as f:
+            rows = [json.loads(line) for line in f if line.startswith("{\"layout\"")]
+        result = {"rounds": args.rounds, "pages": rows, "summary": summarise(rows, args.rounds)}
+    else:
+        result = evaluate(args) if args.mode == "eval" else {"speed": speed(args)}
+    if args.mode in ("eval", "report"):
         print(json.dumps(result["summary"], indent=1))
         if args.plots:
             result["plots"] = plot(result, args.plots)

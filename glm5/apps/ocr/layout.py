@@ -349,7 +349,10 @@ def _indents(run: list[int], boxes, lines: list[Line]) -> list[int]:
     if not widths:
         return [0] * len(run)
     char_w = float(np.median(widths))
-    left = min(boxes[i][0] for i in run)
+    # measure from the leftmost line that looks like code: a prose line glued to the listing would
+    # otherwise shift every indent
+    codeish = [i for i in run if _CODE_TOKEN.search(lines[i].reading.text.strip())] or run
+    left = min(boxes[i][0] for i in codeish)
     raw = [max(0, round((boxes[i][0] - left) / char_w)) for i in run]
     levels = sorted(set(raw))
     step = min((b - a for a, b in zip(levels, levels[1:]) if b - a >= 2), default=0)
