@@ -28,11 +28,12 @@ def make_trainer(run_dir: Path, data: DataSource, resume: str = "", train: dict 
     from glm5.train.config import TrainConfig
     from glm5.train.trainer import Trainer
     train = dict(train or {})
-    model = {**MODEL, **train.pop("model", {})}  # model overrides ride along with the train section
+    model = {**MODEL, **train.pop("model", {})}  # model and log overrides ride along with the train section
+    log = train.pop("log", {})
     d = {"model": {"name": "tiny", "overrides": model}, "optim": {"lr": 3e-3},
          "schedule": {"warmup_steps": 2}, "train": {"steps": STEPS, **train},
          "parallel": {"backend": "gloo", **parallel}, "checkpoint": {"every": 2, "resume": resume},
-         "log": {"run_dir": str(run_dir), "progress": False, "eval_batches": 1, "measure_peak": False}}
+         "log": {"run_dir": str(run_dir), "progress": False, "eval_batches": 1, "measure_peak": False, **log}}
     return Trainer(from_dict(TrainConfig, d), data=data)
 
 
@@ -142,3 +143,25 @@ def test_four_process_meshes_match_and_reshard(tmp_path):
         ckpt = tmp_path / src / "checkpoints" / "step_00000002"
         resumed = _spawn4(tmp_path / f"{src}-to-{dst}", str(ckpt), layouts[dst])
         assert len(resumed) == 2 and max(abs(a - b) for a, b in zip(resumed, ref[2:])) < 1e-5, (src, resumed, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"data_parallel": 2}, {"expert_parallel": 2}, {"tensor_parallel": 2}],
+                         ids=["fsdp2", "ep2", "tp2"])
+def test_planner_communication_matches_the_profiled_step(tmp_path, parallel):
+    """`glm5 plan`'s elements per collective for the layout equal what the profiler measures in a real
+    2-process step of the same model and batch (routing makes the all-to-all vary a little)."""
+    from glm5.core.log import read_metrics
+    from glm5.model.config import ModelConfig
+    from glm5.train.plan import ACCELERATORS, Layout, plan
+    _spawn(tmp_path, train={"log": {"profile_comm_every": 1}}, **parallel)
+    rec = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "comm_s" in r][-1]  # a steady step
+    measured = {k[5:-6]: v for k, v in rec.items() if k.startswith("comm_") and k.endswith("_elems")}
+    r, D = data_coords(0, parallel)
+    lay = Layout(gpus=WORLD, tp=parallel.get("tensor_parallel", 1), ep=parallel.get("expert_parallel", 1),
+                 dp=parallel.get("data_parallel", 0), micro_batch=4 // D, seq_len=24, grad_accum=1)
+    planned = plan(ModelConfig.from_preset("tiny", **MODEL), lay, ACCELERATORS["H100"]).comm_elems
+    print("measured", measured, "planned", planned)
+    for kind, n in planned.items():
+        tol = 0.25 if kind == "all_to_all" else 0.1
+        assert abs(measured.get(kind, 0) - n) <= tol * n, (kind, measured, planned)

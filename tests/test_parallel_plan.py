@@ -83,3 +83,14 @@ def test_comm_stats_from_profiler_events():
                     E(name="ncclDevKernel_AllGather_RING_LL", input_shapes=[], cpu_time_total=0.0,
                       device_time_total=300.0)])
     assert nccl.calls == {"all_gather": 1} and nccl.seconds == {"all_gather": 0.0003}
+
+
+def test_gloo_reduce_scatter_counts_as_reduce_scatter():
+    from types import SimpleNamespace as E
+
+    from glm5.train.comm import collect
+    st = collect([E(name="c10d::_reduce_scatter_base_", input_shapes=[[50], [100], [], []], cpu_time_total=1.0,
+                    device_time_total=0.0),
+                  E(name="gloo:all_reduce", input_shapes=[[100]], cpu_time_total=7.0, device_time_total=0.0),
+                  E(name="gloo:all_reduce", input_shapes=[[100]], cpu_time_total=3.0, device_time_total=0.0)])
+    assert st.calls == {"reduce_scatter": 1, "all_reduce": 1} and st.elements["reduce_scatter"] == 100

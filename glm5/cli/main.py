@@ -14,6 +14,7 @@ COMMANDS = {
     "data": ("data", "data pipeline: `glm5 data run|stats|tokenizer|corpus ...`"),
     "train": ("train", "pretraining: `glm5 train --config configs/train/tiny.toml`"),
     "plot": ("plot", "PNG plots of a training run: `glm5 plot RUN_DIR`"),
+    "plan": ("plan", "plan a parallel run: per-GPU memory, communication, step time (`glm5 plan --preset glm-5 ...`)"),
     "generate": ("generate", "generate text: `glm5 generate --model PATH --prompt ...`"),
     "serve": ("serve", "OpenAI-compatible server: `glm5 serve --model PATH`"),
     "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),

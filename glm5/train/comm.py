@@ -8,8 +8,10 @@ of calls, elements moved by this rank and seconds. What counts as time:
 - NCCL (GPU): the device time of the NCCL kernels (`ncclDevKernel_*` / `ncclKernel_*`); the CPU-side
   `nccl:*` ops only enqueue them and give the element counts.
 Elements come from the recorded input shapes (the profiler does not record dtypes: on CPU everything is
-fp32, so bytes = 4 x elements there). Collectives that torch issues without a profiler event are
-missed, so the numbers are a lower bound.
+fp32, so bytes = 4 x elements there). gloo has no reduce-scatter of its own: c10d runs FSDP's as an
+all-reduce of the whole input, which is counted here under reduce_scatter (matched by size to the
+`c10d::_reduce_scatter_base_` call that issued it). Collectives that torch issues without a profiler
+event are missed, so the numbers are a lower bound.
 """
 
 from __future__ import annotations
@@ -78,10 +80,20 @@ def collect(events) -> CommStats:
         if kind is not None:
             device_kernels = True
             stats.seconds[kind] = stats.seconds.get(kind, 0.0) + e.device_time_total / 1e6
+    emulated: dict[int, int] = {}  # input sizes of reduce-scatters gloo runs as all-reduces
+    for e in events:
+        if e.name == "c10d::_reduce_scatter_base_" and len(e.input_shapes or []) > 1:
+            n = math.prod(e.input_shapes[1])
+            emulated[n] = emulated.get(n, 0) + 1
     for e in events:
         kind = _kind(e.name)
         if kind is None:
             continue
+        if kind == "all_reduce" and e.name.startswith("gloo"):
+            n = math.prod(e.input_shapes[0]) if e.input_shapes and isinstance(e.input_shapes[0], list) else -1
+            if emulated.get(n):
+                emulated[n] -= 1
+                kind = "reduce_scatter"
         stats.calls[kind] = stats.calls.get(kind, 0) + 1
         shapes = [s for s in (e.input_shapes or []) if isinstance(s, list)]
         stats.elements[kind] = stats.elements.get(kind, 0) + sum(math.prod(s) for s in shapes[:1])
