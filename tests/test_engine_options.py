@@ -167,19 +167,27 @@ def test_hot_swap_without_draining_versions_and_rollback(mode):
                                     max_num_batched_tokens=32, **extra), model=copy.deepcopy(base))
     long = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine.add_request("old", prompt_token_ids=PROMPTS[2], params=long)
-    for _ in range(3):
-        engine.step()
+    engine.step()
+    r = PROMPTS[3]
+    engine.add_request("old2", prompt_token_ids=r, params=long)  # started before the swap, admitted after it
     assert engine.swap_experts(new) == 1
-    engine.add_request("new", prompt_token_ids=PROMPTS[2], params=long)
+    for _ in range(3):
+        engine.step()  # old2's prompt blocks are computed on the old experts: they must not serve new requests
+    q = list(engine.scheduler.requests["old"].all_token_ids)
+    engine.add_request("new", prompt_token_ids=q, params=long)
+    engine.add_request("fresh", prompt_token_ids=r, params=long)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     p = PROMPTS[2]
     old_ref = ref_old.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist()
-    new_ref = ref_new.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist()
-    assert old_ref != new_ref
+    new_ref = ref_new.generate_greedy(torch.tensor([q]), 12)[0, len(q):].tolist()
+    assert old_ref != ref_new.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist()
     assert done["old"].outputs[0].token_ids == old_ref and done["old"].model_version == 0
     assert done["new"].outputs[0].token_ids == new_ref and done["new"].model_version == 1
+    assert done["old2"].outputs[0].token_ids == ref_old.generate_greedy(torch.tensor([r]), 12)[0, len(r):].tolist()
+    assert done["fresh"].outputs[0].token_ids == ref_new.generate_greedy(torch.tensor([r]), 12)[0, len(r):].tolist()
+    assert done["fresh"].metrics.num_cached_tokens == 0  # no block computed on the old experts was reused
     assert engine.runner.expert_shadow is None  # freed once nobody runs on version 0
     assert engine.rollback_experts() == 0
     assert run(engine, [p])[0] == old_ref[:NEW]

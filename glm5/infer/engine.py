@@ -188,6 +188,8 @@ class LLMEngine:
         if infill is not None and not self.model_config.block_position_embedding:
             raise ValueError("GLM blank infilling needs a model trained for it (block_position_embedding = true "
                              "in its config); this model is a plain causal LM")
+        if self._last_version:  # after a hot swap: KV blocks are shared only within one expert version
+            cache_salt = f"{cache_salt or ''}|experts-v{self.model_version}"
         reqs = fan_out(request_id, list(map(int, prompt_token_ids)), params, eos_token_ids=self.eos_token_ids,
                        prompt=prompt, cache_salt=cache_salt, device=self.config.device, infill=infill)
         for r in reqs:
