@@ -4,8 +4,9 @@ On disk, experts are stored one by one (`mlp.experts.{e}.gate_proj.weight`, ...)
 fused (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]),
 as transformers v5 does. Loading is memory-mapped and tensor by tensor (the model is built on the meta
 device and materialised once), FP8 e4m3 block-scaled weights (`weight_scale_inv`) are dequantised on the
-fly, and every missing, unexpected or mis-shaped tensor raises an error naming it. Only safetensors are
-ever read: nothing is unpickled.
+fly, and every missing, unexpected, mis-shaped, non-finite or checksum-failing tensor raises
+`CheckpointError` naming it and its file (as does a garbled config.json or an unreadable shard), before
+the model is used. Only safetensors are ever read: nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from glm5.core.io import LazyTensors, safetensors_files, save_sharded
+from glm5.core.io import CheckpointError, LazyTensors, check_finite, safetensors_files, save_sharded
 
 from .config import ModelConfig
 from .generation_config import GenerationConfig
@@ -26,10 +27,6 @@ from .model import GLM5ForCausalLM
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # Kept in fp32 whatever the model dtype (as transformers' _keep_in_fp32_modules(_strict)).
 FP32_SUFFIXES = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model: the message names the tensor."""
 
 
 # --- state dict <-> HF names -------------------------------------------------------------------------
@@ -105,15 +102,17 @@ class _Reader:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.t:
-            raise CheckpointError(f"missing tensor {name!r} in checkpoint")
+            where = self.t.files[0].parent if self.t.files else "checkpoint"
+            raise CheckpointError(f"{where}: missing tensor {name!r} in checkpoint")
         self.used.add(name)
-        x = self.t.get(name)
+        x = self.t.get(name)  # checksum-verified when the reader asked for it
         if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale_name = name + "_scale_inv"
             if scale_name not in self.t:
-                raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} next to it")
+                raise CheckpointError(f"{self.t.file_of(name)}: FP8 tensor {name!r} has no {scale_name!r} next to it")
             self.used.add(scale_name)
             x = dequantize_fp8(x, self.t.get(scale_name), self.block)
+        check_finite(x, name, self.t.file_of(name))
         return x
 
 
@@ -136,14 +135,17 @@ def load_hf_state_dict(model: GLM5ForCausalLM, tensors: LazyTensors, strict: boo
             want = torch.Size([dst.shape[1] // k, dst.shape[2]])
             for s, p in zip(sources, per):
                 if p.shape != want:
-                    raise CheckpointError(f"tensor {s!r} has shape {list(p.shape)}, expected {list(want)}")
+                    raise CheckpointError(f"{tensors.file_of(s)}: tensor {s!r} has shape {list(p.shape)}, "
+                                          f"expected {list(want)}")
             src = torch.stack([torch.cat(per[e * k:(e + 1) * k], dim=0) for e in range(dst.shape[0])])
         if src.shape != dst.shape:
-            raise CheckpointError(f"tensor {sources[0]!r} has shape {list(src.shape)}, expected {list(dst.shape)}")
+            raise CheckpointError(f"{tensors.file_of(sources[0])}: tensor {sources[0]!r} has shape "
+                                  f"{list(src.shape)}, expected {list(dst.shape)}")
         dst.copy_(src.to(dst.dtype))
     extra = [k for k in tensors.keys() if k not in reader.used and not _ignorable(k, model.config)]
     if strict and extra:
-        raise CheckpointError(f"unexpected tensor(s) in checkpoint: {sorted(extra)[:10]}"
+        first = sorted(extra)[0]
+        raise CheckpointError(f"{tensors.file_of(first)}: unexpected tensor(s) in checkpoint: {sorted(extra)[:10]}"
                               f"{' ...' if len(extra) > 10 else ''} ({len(extra)} in all)")
 
 
@@ -182,12 +184,21 @@ def from_pretrained(path: str | Path, dtype: torch.dtype | None = None, device: 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_config(path)
     dtype = dtype or default_dtype(cfg, device)
     model = build_empty(cfg, device, dtype, model_cls)
-    load_hf_state_dict(model, LazyTensors(safetensors_files(path)), strict=strict)
+    load_hf_state_dict(model, LazyTensors(safetensors_files(path), verify=True), strict=strict)
     model.generation_config = GenerationConfig.from_pretrained(path) or model.generation_config
     return model.eval()
+
+
+def load_config(path: Path) -> ModelConfig:
+    """The checkpoint's config.json; any problem with it is a `CheckpointError` naming the file."""
+    try:
+        return ModelConfig.from_pretrained(path)
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        msg = str(e) if str(path) in str(e) else f"{path / 'config.json'}: {e}"
+        raise CheckpointError(f"{msg} ({type(e).__name__})" if not isinstance(e, ValueError) else msg) from None
 
 
 def save_pretrained(model: GLM5ForCausalLM, path: str | Path, max_shard_size: int | str = "5GB",
@@ -211,8 +222,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype | No
     """Stream a HF checkpoint into a new directory: FP8 block-scaled weights dequantised, everything cast
     to `dtype` (fp32-kept tensors stay fp32), re-sharded. Memory stays at about one output shard, so
     a 744B FP8 checkpoint converts on a machine that could never hold the model."""
-    from glm5.core.io import parse_size
-    from safetensors.torch import save_file
+    from glm5.core.io import parse_size, save_file_checked
 
     src, dst = Path(src), Path(dst)
     cfg = ModelConfig.from_pretrained(src)
@@ -225,7 +235,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, dtype: torch.dtype | No
         nonlocal shard, size
         if shard:
             names.append(f"part-{len(names)}.safetensors")
-            save_file(shard, str(dst / names[-1]), metadata={"format": "pt"})
+            save_file_checked(shard, dst / names[-1])
             weight_map.update({k: len(names) - 1 for k in shard})
             shard, size = {}, 0
 

@@ -8,6 +8,9 @@ Layout of `RUN_DIR/checkpoints/step_00000100/` (written through `glm5.core.io.at
                          state, python and numpy RNG states
   train_config.json      the resolved TrainConfig
 Nested Python states are split generically: tensors go to safetensors, everything else to JSON.
+Every safetensors file carries per-tensor CRC32s (glm5.core.io), and loading verifies them and that
+weights and optimizer moments are finite, so a damaged checkpoint is refused with its file and tensor
+named; `resume_candidates("auto")` lets the trainer fall back to the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-
-from glm5.core.io import LazyTensors, atomic_dir, safetensors_files
+from glm5.core.io import (CheckpointError, LazyTensors, atomic_dir, check_finite, safetensors_files,
+                          save_file_checked)
 from glm5.model.hf_adapter import load_hf_state_dict, save_pretrained
 
 STEP_RE = re.compile(r"^step_(\d+)$")
@@ -70,13 +72,24 @@ def save_state(obj, directory: Path, name: str) -> None:
     """Write a nested state as `name.json` + `name.safetensors`."""
     tensors: dict[str, torch.Tensor] = {}
     meta = flatten_state(obj, tensors)
-    save_file(tensors, str(directory / f"{name}.safetensors"))
+    save_file_checked(tensors, directory / f"{name}.safetensors")
     (directory / f"{name}.json").write_text(json.dumps(meta) + "\n")
 
 
 def load_state(directory: Path, name: str):
-    tensors = load_file(str(directory / f"{name}.safetensors"))
-    return unflatten_state(json.loads((directory / f"{name}.json").read_text()), tensors)
+    """The state `save_state` wrote; a missing, unreadable, damaged or non-finite part is a
+    `CheckpointError` naming the file (and tensor)."""
+    file = directory / f"{name}.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    tensors = LazyTensors([file], verify=True).load_all()
+    for key, t in tensors.items():
+        check_finite(t, key, file)
+    try:
+        meta = json.loads((directory / f"{name}.json").read_text())
+        return unflatten_state(meta, tensors)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{directory / f'{name}.json'}: unreadable ({type(e).__name__}: {e})") from None
 
 
 # --- RNG ---------------------------------------------------------------------------------------------
@@ -122,22 +135,28 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, trainer_state:
 def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load model weights and optimizer state in place; restore RNG; return the trainer state
     (with `step` = the number of optimizer steps already done)."""
-    load_hf_state_dict(model, LazyTensors(safetensors_files(path / "model")))
-    optimizer.load_state_dict(load_state(path, "optimizer"))
-    state = load_state(path, "state")
+    load_hf_state_dict(model, LazyTensors(safetensors_files(path / "model"), verify=True))
+    optimizer_state, state = load_state(path, "optimizer"), load_state(path, "state")  # all read before use
+    optimizer.load_state_dict(optimizer_state)
     set_rng_state(state.pop("rng"))
     return state
 
 
-def resolve_resume(resume: str, ckpt_root: Path) -> Path | None:
-    """"" -> None; "auto" -> the newest checkpoint under `ckpt_root` (None if there is none);
-    otherwise the given checkpoint directory, which must exist."""
+def resume_candidates(resume: str, ckpt_root: Path) -> list[Path]:
+    """Checkpoints to try, in order: "" -> none; "auto" -> every checkpoint under `ckpt_root`, newest
+    first (the trainer falls back to the next when one is corrupt); otherwise the given directory,
+    which must exist (and is not replaced by another if it is corrupt)."""
     if not resume:
-        return None
+        return []
     if resume == "auto":
-        dirs = step_dirs(ckpt_root)
-        return dirs[-1] if dirs else None
+        return step_dirs(ckpt_root)[::-1]
     path = Path(resume)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"checkpoint.resume={resume!r} is not a checkpoint directory (no state.json)")
-    return path
+    return [path]
+
+
+def resolve_resume(resume: str, ckpt_root: Path) -> Path | None:
+    """The first of `resume_candidates` (None when there is none)."""
+    found = resume_candidates(resume, ckpt_root)
+    return found[0] if found else None

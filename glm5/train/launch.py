@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from .trainer import Trainer  # heavy imports only once the config is valid
     try:
-        summary = Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+    except (ValueError, FileNotFoundError) as e:  # a setting, the data or a checkpoint: say which, no traceback
+        print(f"glm5 train: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = trainer.fit()
     except TrainingDiverged as e:
         print(f"glm5 train: diverged: {e}", file=sys.stderr)
         return 3

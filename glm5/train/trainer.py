@@ -22,7 +22,7 @@ import torch
 
 from glm5.core import dist
 from glm5.core.config import to_dict
-from glm5.core.io import LazyTensors, atomic_dir, safetensors_files
+from glm5.core.io import CheckpointError, LazyTensors, atomic_dir, remove_stale_tmp, safetensors_files
 from glm5.core.log import MetricsWriter
 from glm5.model.config import ModelConfig
 from glm5.model.hf_adapter import load_hf_state_dict, save_pretrained
@@ -30,7 +30,7 @@ from glm5.model.model import GLM5ForCausalLM
 
 from . import perf
 from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
-from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import load_checkpoint, resume_candidates, save_checkpoint
 from .config import TrainConfig
 from .data import DataSource, build_data
 from .indexer_warmup import AttnCapture, indexer_parameters, warmup_step
@@ -49,7 +49,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GLM5ForCausalLM:
     mcfg = ModelConfig.load(name, **dict(cfg.model.overrides))
     model = GLM5ForCausalLM(mcfg).init_weights(seed=cfg.train.seed)
     if cfg.model.load_weights and (Path(name) / "config.json").is_file():
-        load_hf_state_dict(model, LazyTensors(safetensors_files(name)))  # strict: names every mismatch
+        load_hf_state_dict(model, LazyTensors(safetensors_files(name), verify=True))  # strict: names every mismatch
     return model.to(device).train()
 
 
@@ -129,9 +129,7 @@ class Trainer:
         self.peak_flops = 0.0
         self.history: list[dict] = []
         self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
-        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
-        if resume is not None:
-            self._load(resume)
+        self._resume(cfg.checkpoint.resume)
 
     # --- state --------------------------------------------------------------------------------------
     def _autocast_dtype(self) -> torch.dtype | None:
@@ -141,7 +139,31 @@ class Trainer:
         return None
 
     def trainer_state(self) -> dict:
-        return {"guard": self.guard.state_dict(), "data": self.data.state_dict(), "unigram": self.unigram}
+        return {"guard": self.guard.state_dict(), "data": self.data.state_dict(), "unigram": self.unigram,
+                "num_threads": self.num_threads}
+
+    def _resume(self, resume: str) -> None:
+        """Remove what interrupted checkpoint writes left, then load the checkpoint to resume from.
+        With "auto" a checkpoint that fails to load (corrupt, truncated, NaN) is reported and the
+        previous one is tried; a named checkpoint that fails is an error."""
+        if dist.is_main():
+            for stale in remove_stale_tmp(self.ckpt_root) + remove_stale_tmp(self.run_dir):
+                dist.print0(f"removed {stale} (left by an interrupted checkpoint write)")
+        if dist.is_dist():
+            torch.distributed.barrier()
+        failures = []
+        for path in resume_candidates(resume, self.ckpt_root):
+            try:
+                self._load(path)
+                return
+            except CheckpointError as e:
+                if resume != "auto":
+                    raise
+                failures.append(f"{path.name}: {e}")
+                dist.print0(f"checkpoint {path} is unusable ({e}); falling back to the previous one")
+        if failures:
+            raise CheckpointError(f"--resume auto: no usable checkpoint under {self.ckpt_root} ("
+                                  + "; ".join(failures) + "); delete them to start afresh")
 
     def _load(self, path: Path) -> None:
         if (path / "dcp").is_dir():  # written by torchrun: DCP reshards to any world size, 1 included
@@ -156,7 +178,22 @@ class Trainer:
         self.guard.load_state_dict(state["guard"])
         self.data.load_state_dict(state["data"])
         self.unigram = state["unigram"].to(torch.float64)
+        self._reuse_threads(state.get("num_threads"))
         dist.print0(f"resumed from {path} at step {self.step}")
+
+    def _reuse_threads(self, recorded: int | None) -> None:
+        """CPU reductions depend on the thread count, so an automatic count (`train.num_threads = 0`)
+        is taken from the checkpoint rather than chosen afresh: the resumed run then computes what
+        the uninterrupted one would have."""
+        if not recorded or self.device.type != "cpu" or recorded == self.num_threads:
+            return
+        if self.cfg.train.num_threads > 0:
+            dist.print0(f"note: the checkpoint ran with {recorded} CPU threads, this run uses {self.num_threads} "
+                        "(train.num_threads); results can differ slightly from an uninterrupted run")
+            return
+        torch.set_num_threads(recorded)
+        self.num_threads = torch.get_num_threads()
+        dist.print0(f"using {recorded} CPU threads, as recorded in the checkpoint (train.num_threads = 0)")
 
     def save(self) -> Path | None:
         if self.distributed:  # DCP: every rank writes its shards; reloadable at another world size
