@@ -15,7 +15,7 @@ import pytest
 from glm5.serve.app import create_app
 from glm5.serve.config import ServerConfig
 from glm5.serve.server import GracefulServer
-from glm5.serve.testing import free_port
+from glm5.serve.testing import free_port, serve_in_thread
 from tests.test_serve_app import FakeEngine
 
 
@@ -104,3 +104,45 @@ def test_cli_sigterm_ends_a_stream_with_an_error_chunk(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+class BlockingTokenizer:
+    """The test tokenizer, except that encoding a text containing BLOCK waits until released: a stand-in
+    for a multi-megabyte prompt that takes seconds to tokenise."""
+
+    def __init__(self, tok):
+        self.tok, self.entered, self.release = tok, threading.Event(), threading.Event()
+
+    def encode(self, text, **kw):
+        if "BLOCK" in text:
+            self.entered.set()
+            assert self.release.wait(60)
+        return self.tok.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "BLOCK", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "BLOCK"}], "max_tokens": 2}),
+    ("/tokenize", {"prompt": "BLOCK"}),
+])
+def test_health_and_other_requests_answer_while_a_prompt_is_tokenised(path, body):
+    """Before: tokenising ran on the event loop, so a 3.9 MB prompt froze /health and every stream."""
+    engine = FakeEngine()
+    tok = BlockingTokenizer(engine.tokenizer)
+    app = create_app(engine, tokenizer=tok, config=ServerConfig(), model_name="fake")
+    with serve_in_thread(app) as url:
+        slow: dict = {}
+        sender = threading.Thread(target=lambda: slow.update(r=httpx.post(url + path, json=body, timeout=120)))
+        sender.start()
+        try:
+            assert tok.entered.wait(30)
+            assert httpx.get(url + "/health", timeout=20).status_code == 200  # the event loop is free
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=20)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        finally:
+            tok.release.set()
+            sender.join(60)
+        assert slow["r"].status_code == 200, slow["r"].text

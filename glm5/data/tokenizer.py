@@ -55,6 +55,9 @@ class MissingSpecialTokens(ValueError):
         self.feature, self.missing = feature, list(missing)
         super().__init__(f"{feature} needs GLM special tokens {self.missing}, which this tokenizer lacks"
                          f"{hint}; plain completions still work")
+# Texts longer than this are encoded with `encode_batch([text])` (same ids): the Rust tokenizer then
+# runs without the GIL, so other Python threads (a server's event loop) keep running meanwhile.
+GIL_FREE_CHARS = 4096
 
 
 def check_encodable(text: str, name: str = "text") -> None:
@@ -120,6 +123,8 @@ class GLMTokenizer:
         `add_special_tokens` applies the file's post-processor (ours prepends `[gMASK]<sop>`).
         Text that is not valid Unicode (a lone surrogate such as "\\ud800") raises `ValueError`."""
         try:
+            if len(text) > GIL_FREE_CHARS:  # `encode` holds the GIL throughout; `encode_batch` releases it
+                return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
             return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             check_encodable(text)  # raises ValueError with the position when that is the reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,7 +33,7 @@ from glm5.serve.config import ServerConfig
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
                                  TokenizeRequest, now)
-from glm5.serve.serving_chat import create_chat_completion, render_prompt
+from glm5.serve.serving_chat import create_chat_completion, render_and_encode
 from glm5.serve.serving_completion import create_completion
 from glm5.serve.serving_infill import create_infill
 from glm5.serve.validation import check_body_text
@@ -165,13 +166,15 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
                           on_failure=on_engine_failure)
     state = ServerState(engine, aengine, tokenizer, config, name,
                         SessionStore(engine.config.max_session_len, engine.config.session_policy),
-                        image_reader=image_reader)
+                        image_reader=image_reader,
+                        pool=ThreadPoolExecutor(config.tokenizer_workers, "glm5-tokenize"))
 
     @asynccontextmanager
     async def lifespan(app):
         aengine.start()
         yield
         await aengine.shutdown(config.shutdown_timeout_s)
+        state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="glm5", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
@@ -275,9 +278,9 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
         if body.messages is not None:
             chat_req = ChatCompletionRequest(messages=body.messages,
                                              add_generation_prompt=body.add_generation_prompt)
-            ids = state.tokenizer.encode(render_prompt(state, chat_req)[0])
+            ids = (await state.prepare(render_and_encode, state, chat_req))[3]
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await state.prepare(state.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")

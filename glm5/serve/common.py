@@ -6,9 +6,11 @@ Used by the completion and chat handlers; knows nothing about routes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from glm5.data.tokenizer import GLMTokenizer
@@ -59,6 +61,13 @@ class ServerState:
     # Turns an `image_url` part's URL into text for the prompt (the OCR agent under `glm5 serve --ocr`);
     # raises ValueError for an unreadable image. None: image parts are refused with a 400.
     image_reader: Callable[[str], str] | None = None
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "glm5-tokenize"))
+
+    async def prepare(self, fn, *args, **kwargs):
+        """Run `fn(*args, **kwargs)` in the tokenizer pool: work that grows with the prompt (chat template,
+        tokenising; the tokenizer releases the GIL on long texts) then delays only its own request, never
+        the event loop that serves /health and every other stream."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
 
     @property
     def max_model_len(self) -> int:

@@ -22,6 +22,7 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20  # request body bound for API routes (413 beyond)
     max_admin_body_bytes: int = 2 * 2**30  # bound for expert uploads
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
+    tokenizer_workers: int = 2  # threads that render chat templates and tokenise prompts (off the event loop)
     shutdown_timeout_s: float = 10.0  # on SIGTERM: running requests get this long, then end with an error
     tool_parser: Literal["glm47", "glm45", ""] = "glm47"  # GLM XML tool calls (both alike; "" = off)
     reasoning_parser: Literal["glm45", ""] = "glm45"  # `<think>` -> reasoning_content ("" = off)
@@ -35,6 +36,6 @@ class ServerConfig:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s: must be >= 0 seconds, got {self.shutdown_timeout_s}")
-        for name in ("max_waiting_requests", "max_body_bytes", "max_admin_body_bytes"):
+        for name in ("max_waiting_requests", "max_body_bytes", "max_admin_body_bytes", "tokenizer_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")

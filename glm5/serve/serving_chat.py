@@ -68,6 +68,12 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, 
     return text + forced, forced, parse_tools
 
 
+def render_and_encode(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, list | None, list[int]]:
+    """`render_prompt` plus the prompt's token ids (run in the tokenizer pool: both grow with the prompt)."""
+    text, forced, tools = render_prompt(state, req)
+    return text, forced, tools, state.tokenizer.encode(text)
+
+
 class _Choice:
     """Per-choice parser pipeline and accumulated message."""
 
@@ -191,8 +197,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     req = await read_images(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     new_messages = await _with_session(state, req, requested, request_id) if req.session_id is not None else None
-    text, forced, tools = render_prompt(state, req)
-    prompt_ids = state.tokenizer.encode(text)
+    text, forced, tools, prompt_ids = await state.prepare(render_and_encode, state, req)
     if requested == 0:
         raise APIError(400, "max_tokens: must be >= 1", param="max_tokens")
     max_tokens = max_tokens_for(state, req, len(prompt_ids), requested)

@@ -57,8 +57,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
     echo_only = req.max_tokens == 0
     if echo_only and not req.echo:
         raise APIError(400, "max_tokens: must be >= 1 unless echo=true", param="max_tokens")
-    infills = _infill_prompts(state, req) if req.suffix is not None else None
-    prompts = [ip.token_ids for ip in infills] if infills else [_prompt_ids(state, p) for p in req.prompts()]
+    infills = await state.prepare(_infill_prompts, state, req) if req.suffix is not None else None
+    prompts = [ip.token_ids for ip in infills] if infills else await state.prepare(  # tokenised off the loop
+        lambda: [_prompt_ids(state, p) for p in req.prompts()])
     max_tokens = [max_tokens_for(state, req, len(ids), 1 if echo_only else req.max_tokens) for ids in prompts]
     extra: dict[str, Any] = {}
     if req.logprobs is not None:
