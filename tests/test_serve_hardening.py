@@ -166,8 +166,10 @@ def test_gauges_drop_to_zero_when_the_last_client_leaves(live, monkeypatch):
         return real_run(out)
     monkeypatch.setattr(engine.runner, "run", run)
     with httpx.stream("POST", live["url"] + "/v1/completions", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": 50, "stream": True}) as r:
-        next(r.iter_lines())
+                      json={"prompt": PROMPT, "max_tokens": 50, "stream": True, "temperature": 0,
+                            "ignore_eos": True}) as r:  # greedy: its first token is text, not EOS
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response (a disconnect)
+        next(lines)
         assert metric(live, "vllm:num_requests_running") == 1 and metric(live, "vllm:kv_cache_usage_perc") > 0
     gate.set()  # the held step ends, then the abort of the closed stream runs
     deadline = time.monotonic() + 30
