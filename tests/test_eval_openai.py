@@ -132,3 +132,21 @@ def test_refused_connection_is_reported():
     client = OpenAIClient(url, retries=1, backoff=0.01)
     with pytest.raises(ModelUnavailable, match="no answer after 2 tries"):
         client.request("/models")
+
+
+def test_chat_prompts_engine_and_server_agree(live):
+    """`chat=True` renders one user turn with the chat template: the engine path equals the engine's own
+    `LLM.chat`, and the URL path (server-side template via /v1/chat/completions) equals both."""
+    from glm5.infer.sampling import SamplingParams
+
+    direct = live["direct"]
+    params = GenerationParams(max_tokens=5, chat=True)
+    got = direct.generate(["Hello there"], params)[0][0]
+    ref = direct.llm.chat([{"role": "user", "content": "Hello there"}], SamplingParams(temperature=0, max_tokens=5))
+    assert got == ref.outputs[0].text
+    remote = OpenAIModel(live["url"], tokenizer=load_tokenizer(live["ckpt"]), max_length=128)
+    answer = remote.generate(["Hello there"], params)[0][0]  # the reply's `content` (reasoning left out)
+    msg = remote.client.request("/chat/completions", {"model": "tiny", "max_tokens": 5, "temperature": 0, "messages": [
+        {"role": "user", "content": "Hello there"}]})["choices"][0]["message"]
+    full = (msg.get("reasoning_content") or "") + (msg["content"] or "")
+    assert full.strip() == got.strip() and answer == (msg["content"] or "")  # the parser trims whitespace

@@ -30,6 +30,14 @@ def test_sleeping_forever_and_spinning_time_out():
         assert r.status == "timeout" and r.wall_s < 10
 
 
+def test_cpu_limit_and_signals_are_classified():
+    """The CPU limit, not the wall clock, ends a spinning program (reported as timeout through unshare
+    too); a crash by another signal is an error."""
+    r = run_program("while True:\n    pass", Limits(cpu_s=1, wall_s=60))
+    assert r.status == "timeout" and r.wall_s < 30
+    assert run_program("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", FAST).status == "error"
+
+
 def test_fork_bomb_is_contained():
     r = run_program("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", FAST)
     assert r.status in ("timeout", "error") and r.wall_s < 15

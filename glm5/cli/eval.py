@@ -38,6 +38,7 @@ def parse(argv):
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program")
     ap.add_argument("--regex", help="exact: answer extraction pattern (first group)")
+    ap.add_argument("--chat", action="store_true", help="exact/queries: prompts through the chat template")
     ap.add_argument("--judge-url", help="queries: OpenAI-compatible judge server")
     ap.add_argument("--judge-model")
     ap.add_argument("--tokenizer", help="URL models: tokenizer directory (needed for log-likelihood tasks)")
@@ -65,7 +66,8 @@ def config_from_flags(args):
     task = TaskConfig(task=args.task, data=args.data, split=args.split, num_fewshot=args.num_fewshot, limit=args.limit,
                       samples=args.samples, n=args.n, k=[int(k) for k in args.k.split(",")],
                       temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, regex=args.regex,
-                      judge_url=args.judge_url, judge_model=args.judge_model, timeout_s=args.timeout)
+                      judge_url=args.judge_url, judge_model=args.judge_model, timeout_s=args.timeout,
+                      chat=args.chat)
     spec = ModelSpec(model=args.model or "samples", backend=args.backend, gguf_file=args.gguf_file,
                      tokenizer=args.tokenizer, api_model=args.api_model,
                      max_length=args.max_length, batch_size=args.batch_size, device=args.device,

@@ -82,7 +82,7 @@ class EngineModel(EvalModel):
         if room < 1:
             raise ValueError(f"max_tokens={params.max_tokens} leaves no room for a prompt in "
                              f"max_length={self.max_length}")
-        ids = [self.encode(p)[-room:] for p in prompts]
+        ids = [self.prompt_ids(p, params.chat)[-room:] for p in prompts]
         sp = SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                             max_tokens=params.max_tokens, stop=list(params.stop), seed=params.seed)
         texts = []

@@ -24,6 +24,9 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False):
+        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize)
+
 
 class HFModel(EvalModel):
     def __init__(self, path: str, *, gguf_file: str | None = None, max_length: int = 2048, batch_size: int = 16,
@@ -76,7 +79,8 @@ class HFModel(EvalModel):
     def generate(self, prompts: list[str], params: GenerationParams) -> list[list[str]]:
         texts = []
         for p in prompts:  # one prompt at a time: no padding semantics to get wrong, fine for small models
-            ids = torch.tensor([self.encode(p)[-(self.max_length - params.max_tokens):]], device=self.device)
+            ids = torch.tensor([self.prompt_ids(p, params.chat)[-(self.max_length - params.max_tokens):]],
+                               device=self.device)
             kw = {"do_sample": params.temperature > 0, "num_return_sequences": params.n,
                   "max_new_tokens": params.max_tokens, "pad_token_id": self.pad_id}
             if params.temperature > 0:

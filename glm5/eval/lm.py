@@ -34,6 +34,7 @@ class GenerationParams:
     n: int = 1  # samples per prompt
     stop: tuple[str, ...] = ()  # stop strings (not included in the text)
     seed: int | None = None  # sampling seed (per prompt), for reproducible samples
+    chat: bool = False  # send each prompt as one user turn through the model's chat template
 
 
 class EvalModel(ABC):
@@ -53,6 +54,16 @@ class EvalModel(ABC):
     @abstractmethod
     def generate(self, prompts: list[str], params: GenerationParams) -> list[list[str]]:
         """`params.n` completions (text after the prompt) per prompt, in prompt order."""
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids of a generation prompt: as scored text, or one user turn in the chat template."""
+        if not chat:
+            return self.encode(prompt)
+        render = getattr(self.tokenizer, "apply_chat_template", None)
+        if render is None:
+            raise ValueError(f"{self.name}: this tokenizer has no chat template (needed for chat prompts)")
+        text = render([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template has its own prefix
 
     # ---- shared: text -> tokens as lm-eval does ---------------------------------------------------
     def encode(self, text: str) -> list[int]:

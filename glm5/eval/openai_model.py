@@ -103,6 +103,9 @@ class OpenAIModel(EvalModel):
         return out
 
     def generate(self, prompts: list[str], params: GenerationParams) -> list[list[str]]:
+        if params.chat:
+            return self._map(lambda batch: [self._chat(p, params) for p in batch], self._batches(prompts))
+
         def run(batch: list[str]) -> list[list[str]]:
             payload = {"model": self.model, "prompt": batch, "max_tokens": params.max_tokens,
                        "temperature": params.temperature, "top_p": params.top_p, "n": params.n}
@@ -116,3 +119,15 @@ class OpenAIModel(EvalModel):
                 texts[c["index"] // params.n][c["index"] % params.n] = c["text"]
             return texts
         return self._map(run, self._batches(prompts))
+
+    def _chat(self, prompt: str, params: GenerationParams) -> list[str]:
+        """One user turn through `/v1/chat/completions` (the server applies its chat template)."""
+        payload = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                   "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                   "n": params.n}
+        if params.stop:
+            payload["stop"] = list(params.stop)
+        if params.seed is not None:
+            payload["seed"] = params.seed
+        choices = sorted(self.client.request("/chat/completions", payload)["choices"], key=lambda c: c["index"])
+        return [c["message"]["content"] or "" for c in choices]

@@ -111,7 +111,7 @@ def _command(directory: str, limits: Limits) -> list[str]:
 
 
 def _classify(returncode: int | None, timed_out: bool) -> Status:
-    if timed_out or returncode in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL):
+    if timed_out or returncode in (124, -signal.SIGXCPU, -signal.SIGKILL):
         return "timeout"
     return {0: "pass", 1: "fail"}.get(returncode, "error")
 

@@ -7,13 +7,15 @@ SPEC_JSON: {"dir", "program", "python", "limits": {...}, "isolate": bool, "drop_
 With `isolate` (we are root inside fresh mount/PID/network namespaces made by `unshare`), every mount
 except the private directory is remounted read-only. Then resource limits are set, privileges dropped
 to `drop_uid` when given, and the program runs under `python` through RUNNER.
-Exit codes: 0 pass, 1 fail (AssertionError), 2 error (any other exception), 3 sandbox setup failed.
+Exit codes: 0 pass, 1 fail (AssertionError), 2 error (any other exception), 3 sandbox setup failed,
+124 killed by the CPU limit (SIGXCPU / SIGKILL), 125 killed by another signal.
 """
 
 import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
@@ -90,8 +92,14 @@ def main() -> int:
         print(f"sandbox setup failed: {e}", file=sys.stderr)
         return 3
     python = spec["python"]
-    os.execv(python, [python, "-I", "-c", RUNNER, spec["program"]])
-    return 3  # pragma: no cover - execv does not return
+    pid = os.fork()
+    if pid == 0:
+        os.execv(python, [python, "-I", "-c", RUNNER, spec["program"]])
+    # wait here so that a death by signal keeps its meaning through `unshare`, which reports it as 1
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return 124 if os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) else 125
+    return os.WEXITSTATUS(status)
 
 
 if __name__ == "__main__":

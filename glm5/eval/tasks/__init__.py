@@ -48,6 +48,7 @@ class TaskConfig:
     regex: str | None = None  # exact: extract the answer with this pattern (first group)
     regex_last: bool = False  # exact: use the last match instead of the first
     text_key: str = "text"  # ppl: JSONL field with the text
+    chat: bool = False  # exact/queries: prompts as one user turn through the model's chat template
     judge_url: str | None = None  # queries: OpenAI-compatible judge server
     judge_model: str | None = None  # queries: judge model name (default: the server's first)
     timeout_s: float = 10.0  # humaneval: wall seconds per program (CPU limit: the same, rounded up)
@@ -77,7 +78,8 @@ def bundled_path(task: str) -> Path:
 
 def _params(cfg: TaskConfig, max_tokens: int, stop: tuple[str, ...], n: int = 1) -> GenerationParams:
     return GenerationParams(max_tokens=cfg.max_tokens or max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            n=n, stop=tuple(cfg.stop) if cfg.stop is not None else stop, seed=cfg.seed)
+                            n=n, stop=tuple(cfg.stop) if cfg.stop is not None else stop, seed=cfg.seed,
+                            chat=cfg.chat)
 
 
 def build_task(cfg: TaskConfig) -> Task:

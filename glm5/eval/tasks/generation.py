@@ -65,7 +65,8 @@ class ExactTask(Task):
 
     def fingerprint(self) -> dict:
         p = self.params
-        return {"regex": self.regex, "regex_last": self.regex_last, "max_tokens": p.max_tokens, "stop": list(p.stop)}
+        return {"regex": self.regex, "regex_last": self.regex_last, "max_tokens": p.max_tokens, "stop": list(p.stop),
+                "chat": p.chat}
 
 
 class QueriesTask(Task):
@@ -107,4 +108,5 @@ class QueriesTask(Task):
         return out
 
     def fingerprint(self) -> dict:
-        return {"max_tokens": self.params.max_tokens, "judge": self.judge.name if self.judge else None}
+        return {"max_tokens": self.params.max_tokens, "chat": self.params.chat,
+                "judge": self.judge.name if self.judge else None}
