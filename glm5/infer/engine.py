@@ -10,6 +10,7 @@ swap between steps. Knows no HTTP and no asyncio.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import uuid
 from pathlib import Path
@@ -35,6 +36,7 @@ from .request import Request, fan_out
 from .runner import ModelRunner, RunnerOutput
 from .sampling import SamplingParams, check_token_ids
 from .scheduler import ScheduleOutput, Scheduler
+from .structured import GrammarBackend
 
 log = logging.getLogger(__name__)
 BUNDLED_TOKENIZER = "bundled:tokenizer-8k"
@@ -195,6 +197,8 @@ class LLMEngine:
         for r in reqs:
             r.detokenizer = self._detokenizer(r.params)
             r.model_version = self.model_version
+            if params.structured_outputs is not None:
+                r.grammar = self.grammars.state(params.structured_outputs)
         for i, r in enumerate(reqs):
             try:
                 self.scheduler.add_request(r)
@@ -205,6 +209,13 @@ class LLMEngine:
         self._groups[request_id] = reqs
         self._prompts[request_id] = prompt
         return request_id
+
+    @functools.cached_property
+    def grammars(self) -> GrammarBackend:
+        """The structured-output compiler (built on first use: xgrammar is slow to import)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: this model has no tokenizer to build a grammar vocabulary from")
+        return GrammarBackend(self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids))
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

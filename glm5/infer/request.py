@@ -4,7 +4,9 @@ A request has a target (`num_tokens` = prompt + output so far) and progress (`nu
 tokens whose KV is in the cache); each step schedules part of the gap (vLLM v1). It also carries its
 block table, its prefix-block hashes, speculative draft tokens, its own `torch.Generator` (seeded
 requests sample the same tokens whatever the batch), its detokenized text for stop strings, and
-monotonic timestamps for metrics. `n > 1` becomes child requests (`fan_out`).
+monotonic timestamps for metrics, and its grammar state when its output is constrained (structured
+output: the next-token bitmask goes into its sampling row, sampled tokens advance it). `n > 1` becomes
+child requests (`fan_out`).
 Knows nothing about tensors besides the generator.
 """
 
@@ -22,6 +24,7 @@ import torch
 from glm5.data.infilling import InfillLayout
 from glm5.infer.outputs import PositionLogprobs, RequestMetrics
 from glm5.infer.sampling import SamplingParams, SamplingRow
+from glm5.infer.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -86,6 +89,8 @@ class Request:
         self.num_preemptions = 0
         self.model_version = 0  # expert version the request started on (set by the engine)
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1 = not admitted yet)
+        self.grammar: GrammarState | None = None  # set by the engine for structured output
+        self._bitmask: torch.Tensor | None = None
         self.generator = None
         if self.params.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
@@ -128,6 +133,10 @@ class Request:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         self.metrics.num_generation_tokens = len(self.output_token_ids)
+        if self.grammar is not None:
+            for t in token_ids:
+                if not self.grammar.is_terminated:
+                    self.grammar.accept(t)
         if self.detokenizer is None:
             return ""
         new_text = self.detokenizer.add(list(token_ids))
@@ -137,9 +146,17 @@ class Request:
     def sampling_row(self, num_drafts: int = 0) -> SamplingRow:
         """The sampler's view of this request at the position after `num_drafts` draft tokens."""
         out = self.output_token_ids + self.spec_token_ids[:num_drafts] if num_drafts else self.output_token_ids
+        bitmask = None
+        if self.grammar is not None:  # constrained requests get no drafts (the engine drops them)
+            if self._bitmask is None:
+                self._bitmask = torch.zeros(self.grammar.bitmask_words, dtype=torch.int32)
+            self.grammar.fill_bitmask(self._bitmask)
+            bitmask = self._bitmask
         return SamplingRow(params=self.params, prompt_token_ids=self.prompt_token_ids,
                            output_token_ids=out, generator=self.generator,
-                           stop_ids_until_min=self.stop_ids)
+                           # the grammar decides where the output may end: min_tokens does not mask EOS
+                           stop_ids_until_min=() if self.grammar is not None else self.stop_ids,
+                           token_bitmask=bitmask)
 
     def text_for_output(self) -> str:
         """Detokenized text safe to stream: while running, hold back the last len(longest stop) - 1

@@ -1,7 +1,8 @@
 """Sampling: `SamplingParams` (vLLM names, defaults and checks) and the batched `Sampler`.
 
 The sampler works on rows of fp32 logits [N, V], one row per sampled position (a request with
-speculative drafts has several rows). Processing order follows vLLM v1: min_tokens masking,
+speculative drafts has several rows). Processing order follows vLLM v1: logit_bias, the structured-output
+token bitmask (`structured.py`; one place for both, so constrained and free rows share a batch), min_tokens masking,
 penalties, greedy argmax (temperature 0), temperature, min-p, top-k, top-p, then sampling with each
 row's own `torch.Generator` (when the request is seeded), so a seeded request draws the same tokens
 whatever else is in the batch. Logprobs are always the log_softmax of the *raw* model logits
@@ -21,6 +22,7 @@ from typing import Iterable, Literal
 import torch
 
 from glm5.infer.outputs import Logprob, PositionLogprobs
+from glm5.infer.structured import StructuredOutputs, apply_token_bitmask
 
 log = logging.getLogger(__name__)
 Sequence = list[int] | tuple[int, ...]
@@ -74,6 +76,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (-1 = whole vocabulary)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    structured_outputs: StructuredOutputs | None = None  # output must match this grammar
     use_beam_search: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0  # beam score = sum logprob / generated_len ** length_penalty
@@ -106,7 +110,7 @@ class SamplingParams:
 
     def token_id_fields(self) -> dict[str, Iterable[int]]:
         """Every field that holds token ids, by name (what `check_vocab` checks)."""
-        return {"stop_token_ids": self.stop_token_ids}
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or {})}
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `ValueError` naming the field if a token id is outside [0, vocab_size)."""
@@ -141,6 +145,10 @@ class SamplingParams:
                 yield f"{name} must be None, -1 (all) or >= 0, got {v}"
         if any(not s for s in self.stop):
             yield "stop must not contain empty strings"
+        for tid, bias in (self.logit_bias or {}).items():
+            if not isinstance(tid, int) or tid < 0 or not -100 <= bias <= 100:
+                yield f"logit_bias must map token ids >= 0 to values in [-100, 100], got {tid}: {bias}"
+                break
         yield from self._beam_errors()
 
     def _beam_errors(self):
@@ -180,6 +188,7 @@ class SamplingRow:
     output_token_ids: Sequence  # tokens before this row's position (drafts included for spec rows)
     generator: torch.Generator | None = None
     stop_ids_until_min: Sequence = ()  # eos + stop ids: masked while len(output) < min_tokens
+    token_bitmask: torch.Tensor | None = None  # int32 [ceil(V / 32)]: allowed tokens (structured output)
 
 
 @dataclass
@@ -224,8 +233,11 @@ class Sampler:
 
     @staticmethod
     def _adjust(raw: torch.Tensor, rows: list[SamplingRow]):
-        """min_tokens masking, penalties, then temperature; returns (logits [N, V], greedy mask [N])."""
-        x = apply_min_tokens(raw, rows)  # copies only when it masks: `raw` stays raw
+        """logit_bias, grammar bitmask, min_tokens masking, penalties, then temperature; returns
+        (logits [N, V], greedy mask [N]). Every step copies before it writes: `raw` stays raw."""
+        x = apply_logit_bias(raw, rows)
+        x = apply_token_bitmask(x, [r.token_bitmask for r in rows])
+        x = apply_min_tokens(x, rows)
         x = apply_penalties(x, rows)
         temps = [r.params.temperature_at(len(r.output_token_ids)) for r in rows]
         greedy = torch.tensor([t == 0 for t in temps], device=x.device)
@@ -254,6 +266,18 @@ class Sampler:
             if r.generator is not None:
                 q[i].exponential_(generator=r.generator)
         return (probs / q).argmax(dim=-1)  # [N]
+
+
+def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add each row's `logit_bias` (token id -> bias) to its logits (on a copy, only if any row has one)."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return x
+    x = x.clone()
+    for i, bias in biased:
+        ids = torch.tensor(list(bias), device=x.device)
+        x[i, ids] += torch.tensor(list(bias.values()), device=x.device, dtype=x.dtype)
+    return x
 
 
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -250,7 +250,7 @@ class Scheduler:
             if req.is_finished:
                 self._finish(req)
                 finished.append(req)
-            elif draft_token_ids and req.request_id in draft_token_ids:
+            elif draft_token_ids and req.request_id in draft_token_ids and req.grammar is None:
                 req.spec_token_ids = list(draft_token_ids[req.request_id])
         return finished
 
@@ -266,6 +266,9 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int, num_new_chars: int) -> bool:
         """Stop conditions after appending `token` (none before min_tokens output tokens)."""
         p = req.params
+        if req.grammar is not None and req.grammar.is_terminated:  # the grammar's end (after its EOS)
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
         if req.num_output_tokens >= p.min_tokens:
             if token in req.stop_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

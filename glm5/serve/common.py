@@ -18,6 +18,7 @@ from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import SamplingParams, check_token_ids
 from glm5.serve.sessions import SessionStore
 from glm5.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
+from glm5.infer.structured import StructuredOutputs
 from glm5.serve.config import ServerConfig
 from glm5.serve.protocol import SamplingFields
 
@@ -124,7 +125,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, state: ServerState, **
         repetition_penalty=pick("repetition_penalty", req.repetition_penalty, 1.0), min_tokens=min(req.min_tokens, max_tokens),
         ignore_eos=req.ignore_eos, max_tokens=max_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens,
+        logit_bias={int(k): float(v) for k, v in req.logit_bias.items()} if req.logit_bias else None)
     kwargs.update(extra)
     if beam and req.n > kwargs["beam_width"]:
         raise APIError(400, f"n: {req.n} best beams need beam_width >= n, got {kwargs['beam_width']}", param="n")
@@ -146,6 +148,39 @@ def prompt_token_ids(state: ServerState, ids: list[int], param: str = "prompt") 
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
     return list(ids)
+
+
+def structured_spec(req: SamplingFields) -> StructuredOutputs | None:
+    """`structured_outputs` (vLLM) or `response_format` (OpenAI) -> the engine's spec; 400 on misuse."""
+    so, rf = req.structured_outputs, req.response_format
+    constrained_rf = rf is not None and rf.type != "text"
+    if so is not None and constrained_rf:
+        raise APIError(400, "structured_outputs: give either structured_outputs or response_format, not both",
+                       param="structured_outputs")
+    try:
+        if so is not None:
+            schema = so.json_
+            return StructuredOutputs(
+                json=(schema if isinstance(schema, str) else json.dumps(schema)) if schema is not None else None,
+                json_object=bool(so.json_object), regex=so.regex,
+                choice=tuple(so.choice) if so.choice is not None else None, grammar=so.grammar)
+        if constrained_rf and rf.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if constrained_rf:
+            return StructuredOutputs(json=json.dumps(rf.json_schema.schema_))
+    except ValueError as e:
+        raise APIError(400, str(e), param="structured_outputs" if so is not None else "response_format") from e
+    return None
+
+
+async def check_grammar(state: ServerState, spec: StructuredOutputs | None, param: str) -> None:
+    """Compile the spec off the event loop (cached for the engine): 400 naming what does not compile."""
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(state.engine.grammars.compile, spec)
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from e
 
 
 def finite(x: float | None) -> float | None:

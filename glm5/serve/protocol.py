@@ -33,6 +33,37 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI `response_format`: `text`, `json_object`, or `json_schema` (with `strict`; the output
+    always matches the schema, strict or not)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format.json_schema.schema: required when type is json_schema")
+        return self
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` (exactly one field)."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + vLLM extras)."""
 
@@ -62,12 +93,20 @@ class SamplingFields(OpenAIModel):
     length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
     early_stopping: bool | Literal["never"] = False
     temperature_schedule: list[float] | None = Field(default=None, min_length=2, max_length=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("stop: at most 16 non-empty strings")
+        if any(not s for s in stops):  # vLLM: any number of stop strings, none empty
+            raise ValueError("stop: stop strings must not be empty")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: values must be in [-100, 100], got {bias} for token {key}")
         return self
 
     def stop_list(self) -> list[str]:
@@ -76,6 +115,7 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = Field(default=None, ge=1, le=64)  # sample best_of, return the n most likely
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
@@ -86,6 +126,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt: must not be empty")
         if self.suffix is not None and self.echo:
             raise ValueError("suffix: cannot be combined with echo")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of: must be >= n ({self.n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of: cannot stream when best_of > n (as OpenAI)")
         return self
 
     def prompts(self) -> list[str | list[int]]:

@@ -4,8 +4,9 @@ logprobs/top_logprobs, `n`, SSE streaming with a final usage chunk.
 
 Streaming and non-streaming share one per-choice pipeline (engine text delta -> reasoning parser ->
 tool parser), so a streamed response adds up to exactly the non-streamed one. `tool_choice` "required"
-or a named function is enforced by prefilling `<tool_call>` (and the name) after the generation prompt,
-which in GLM's format leaves the model no other way to continue; thinking is closed first.
+or a named function is enforced by a grammar (xgrammar's GLM-4.7/5 structural tag: GLM's XML call
+format with each tool's JSON schema for its arguments, after the reasoning block when thinking is on);
+`response_format` / `structured_outputs` constrain the content the same way.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from fastapi.responses import StreamingResponse
 
 from glm5.data.tokenizer import MissingSpecialTokens
 from glm5.infer.sampling import SamplingParams
-from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, sampling_params, sse,
-                               token_bytes, token_str, top_entries)
+from glm5.infer.structured import StructuredOutputs, glm_tool_call_tag
+from glm5.serve.common import (APIError, ServerState, as_api_error, chain, check_grammar, logprob_of, max_tokens_for,
+                               sampling_params, sse, structured_spec, token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
-from glm5.serve.parsers.tool_glm import TOOL_OPEN
 from glm5.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Usage, now
 from glm5.serve.sessions import SUMMARY_REQUEST
 from glm5.serve.validation import check_tools
@@ -38,8 +39,8 @@ def _thinking(kwargs: dict) -> bool:
     return True if flag is None else bool(flag)
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, list | None]:
-    """-> (prompt text, forced tool-call prefix, tools to parse against or None)."""
+def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list | None]:
+    """-> (prompt text, tools to parse against or None)."""
     check_tools(req.tools)
     kwargs = dict(req.chat_template_kwargs or {})
     enable_thinking = _thinking(kwargs)
@@ -59,25 +60,45 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, 
                        code="unsupported_by_tokenizer") from e
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
-    forced = ""
-    if parse_tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
-        if prompt_opens_reasoning(text):
-            text += "</think>"
-        name = req.tool_choice.function["name"] if isinstance(req.tool_choice, NamedToolChoice) else ""
-        forced = TOOL_OPEN + name
-    return text + forced, forced, parse_tools
+    return text, parse_tools
 
 
-def render_and_encode(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, list | None, list[int]]:
-    """`render_prompt` plus the prompt's token ids (run in the tokenizer pool: both grow with the prompt)."""
-    text, forced, tools = render_prompt(state, req)
-    return text, forced, tools, state.tokenizer.encode(text)
+def output_constraint(req: ChatCompletionRequest, prompt: str, tools: list | None) -> StructuredOutputs | None:
+    """The grammar the output must follow: a forced tool call (`tool_choice` "required" / named), else
+    `response_format` / `structured_outputs` (both at once: 400)."""
+    spec = structured_spec(req)
+    forced = tools is not None and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+    if not forced:
+        return spec
+    if spec is not None:
+        raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format or "
+                            "structured_outputs", param="tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice):
+        name = req.tool_choice.function["name"]
+        chosen, choice = [t for t in tools if t["function"]["name"] == name], req.tool_choice.model_dump()
+    else:
+        chosen, choice = tools, "required"
+    try:
+        tag = glm_tool_call_tag(chosen, choice, prompt_opens_reasoning(prompt), req.parallel_tool_calls)
+    except (ValueError, TypeError) as e:  # a schema xgrammar's tag builder rejects
+        raise APIError(400, f"tools: cannot build the tool-call grammar: {e}", param="tools") from e
+    return StructuredOutputs(structural_tag=tag)
+
+
+def render_and_encode(state: ServerState, req: ChatCompletionRequest):
+    """`render_prompt`, the output constraint, and the prompt's token ids -> (text, spec or None, tools,
+    ids); runs in the tokenizer pool (all of it grows with the prompt and the tool schemas)."""
+    text, tools = render_prompt(state, req)
+    spec = output_constraint(req, text, tools)
+    if spec is not None and spec.structural_tag is None and prompt_opens_reasoning(text):
+        text += "</think>"  # a constrained answer is the content: close the thinking block first
+    return text, spec, tools, state.tokenizer.encode(text)
 
 
 class _Choice:
     """Per-choice parser pipeline and accumulated message."""
 
-    def __init__(self, state: ServerState, index: int, reasoning_open: bool, forced: str, tools):
+    def __init__(self, state: ServerState, index: int, reasoning_open: bool, tools):
         self.index, self.state = index, state
         use_reasoning = bool(state.config.reasoning_parser)
         self.reasoning = GLMReasoningParser(reasoning_open) if use_reasoning else None
@@ -86,7 +107,6 @@ class _Choice:
         self.reasoning_text, self.content_text = "", ""
         self.logprobs: list[dict] = []
         self.finish_reason, self.stop_reason = None, None
-        self.pending_forced = forced  # fed to the tool parser before the model's text
 
     def feed(self, c, top_k: int | None) -> dict:
         """Process CompletionOutput `c`; return the OpenAI delta dict of what is new."""
@@ -102,8 +122,7 @@ class _Choice:
         r, content = self._split(new, finished)
         tool_deltas = []
         if self.tools is not None:
-            outs = [self.tools.feed(self.pending_forced + content)] + ([self.tools.finish()] if finished else [])
-            self.pending_forced = ""
+            outs = [self.tools.feed(content)] + ([self.tools.finish()] if finished else [])
             content = "".join(o.content for o in outs)
             tool_deltas = [d for o in outs for d in o.tool_calls]
         if r:
@@ -197,17 +216,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     req = await read_images(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     new_messages = await _with_session(state, req, requested, request_id) if req.session_id is not None else None
-    text, forced, tools, prompt_ids = await state.prepare(render_and_encode, state, req)
+    text, spec, tools, prompt_ids = await state.prepare(render_and_encode, state, req)
+    await check_grammar(state, spec, "tool_choice" if spec is not None and spec.structural_tag else
+                        "structured_outputs" if req.structured_outputs is not None else "response_format")
     if requested == 0:
         raise APIError(400, "max_tokens: must be >= 1", param="max_tokens")
     max_tokens = max_tokens_for(state, req, len(prompt_ids), requested)
     top_k = (req.top_logprobs or 0) if req.logprobs else None
-    extra = {"skip_special_tokens": False}  # <think>/<tool_call> must reach the parsers
+    extra = {"skip_special_tokens": False, "structured_outputs": spec}  # <think>/<tool_call> reach the parsers
     if top_k is not None:
         extra["logprobs"] = top_k
     params = sampling_params(req, max_tokens, state, **extra)
     stream = state.async_engine.generate(request_id, prompt_ids, params)
-    choices = [_Choice(state, i, prompt_opens_reasoning(text), forced, tools) for i in range(req.n)]
+    choices = [_Choice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
     try:
         first = await stream.__anext__()  # admission errors surface before any byte is sent
     except StopAsyncIteration:  # pragma: no cover

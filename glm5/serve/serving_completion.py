@@ -13,8 +13,9 @@ from typing import Any, AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from glm5.infer.infill import InfillPrompt
-from glm5.serve.common import (APIError, ServerState, as_api_error, chain, logprob_of, max_tokens_for, merge_streams,
-                               prompt_token_ids, sampling_params, sse, token_str, top_entries)
+from glm5.serve.common import (APIError, ServerState, as_api_error, chain, check_grammar, logprob_of, max_tokens_for,
+                               merge_streams, prompt_token_ids, sampling_params, sse, structured_spec, token_str,
+                               top_entries)
 from glm5.serve.protocol import CompletionRequest, Usage, now
 from glm5.serve.serving_infill import beam_generate, infill_prompt_for, truncation_header
 
@@ -61,11 +62,16 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
     prompts = [ip.token_ids for ip in infills] if infills else await state.prepare(  # tokenised off the loop
         lambda: [_prompt_ids(state, p) for p in req.prompts()])
     max_tokens = [max_tokens_for(state, req, len(ids), 1 if echo_only else req.max_tokens) for ids in prompts]
-    extra: dict[str, Any] = {}
+    spec = structured_spec(req)
+    await check_grammar(state, spec, "structured_outputs" if req.structured_outputs is not None else "response_format")
+    extra: dict[str, Any] = {"structured_outputs": spec}
     if req.logprobs is not None:
         extra["logprobs"] = req.logprobs
         if req.echo:
             extra["prompt_logprobs"] = req.logprobs
+    best_of = req.best_of or req.n
+    if best_of > req.n:  # rank by cumulative logprob, which the engine tracks only with logprobs on
+        extra.update(n=best_of, logprobs=extra.get("logprobs", 0))
     params = [sampling_params(req, mt, state, **extra) for mt in max_tokens]
     layouts = [ip.layout for ip in infills] if infills else [None] * len(prompts)
     streams = [_generate(state, f"{request_id}-{i}", ids, p, layout, req.n)
@@ -118,6 +124,7 @@ class _Job:
         self.builders: dict[int, _LogprobBuilder] = {}
         self.final: dict[int, Any] = {}  # prompt index -> last RequestOutput
         self.finished: set[int] = set()
+        self.num_samples = req.best_of or req.n  # generated per prompt; the n best are returned
 
     def version(self, first) -> Any:
         return first[1].model_version if first[1].model_version is not None else self.state.async_engine.model_version
@@ -135,7 +142,7 @@ class _Job:
 
     def _delta(self, p: int, out, c) -> tuple[int, str, dict | None]:
         """New text/logprobs of CompletionOutput `c` of prompt `p` since the last call."""
-        choice = p * self.req.n + c.index
+        choice = p * self.num_samples + c.index
         first = choice not in self.sent_text
         if first:
             self.sent_text[choice], self.sent_tokens[choice] = "", 0
@@ -181,7 +188,19 @@ class _Job:
                     acc[2], acc[3] = self._finish(choice, c)
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
                    for i, (t, lp, fr, sr) in sorted(texts.items())]
+        if self.num_samples > self.req.n:
+            choices = self._best(choices)
         return {**self._chunk(choices, version), "usage": self._usage(), "_model_version": version}
+
+    def _best(self, choices: list[dict]) -> list[dict]:
+        """best_of: per prompt, the n samples with the highest cumulative logprob (ties: lower index),
+        renumbered 0..n-1 per prompt as OpenAI does; usage still counts every sample."""
+        out = []
+        for p, o in sorted(self.final.items()):
+            rank = sorted(o.outputs, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[: self.req.n]
+            for j, c in enumerate(rank):
+                out.append({**choices[p * self.num_samples + c.index], "index": p * self.req.n + j})
+        return out
 
     async def stream(self, first, merged) -> AsyncIterator[str]:
         version = self.version(first)

@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 UNSET: Any = object()
+_PROBE: Any = object()  # equal to no enum/const entry
 _NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?([eE][+-]?\d+)?")
 _MAX_LITERAL_CHARS = 100_000  # ast.literal_eval cost grows with the input; longer text stays a string
 
@@ -167,7 +168,7 @@ def coerce_value(raw: str, types: set[str] | None, schema: Any = None, key: str 
     `schema`/`key`/`known` let an open union reject a parse its enum forbids (`enum: ["7", 8]`)."""
     kind = single_type(types)
     if kind == "string":
-        return raw
+        return _enum_string(raw, schema, key, known)
     value = _parse(raw, kind)
     if kind is None and schema is not None and key is not None and not isinstance(value, str):
         allowed = allowed_types(schema, schema, key, value=value, known=known)
@@ -175,6 +176,20 @@ def coerce_value(raw: str, types: set[str] | None, schema: Any = None, key: str 
         if allowed is not None and json_type(value) not in allowed and native is not None and "string" in native:
             return raw  # e.g. "true" for ["string", "integer"]: the text, not a forbidden boolean
     return value
+
+
+def is_free_string(schema: Any, key: str) -> bool:
+    """True when property `key` takes any string (no enum/const to match): it may stream as it arrives."""
+    return allowed_types(schema, schema, key, value=_PROBE) != set()
+
+
+def _enum_string(raw: str, schema: Any, key: str | None, known: dict | None) -> str:
+    """A string parameter keeps its raw text, except that an enum/const string written with
+    surrounding whitespace (grammar-forced calls allow a space there) is the value it names."""
+    if schema is None or key is None or allowed_types(schema, schema, key, value=raw, known=known) != set():
+        return raw
+    stripped = raw.strip()
+    return stripped if allowed_types(schema, schema, key, value=stripped, known=known) else raw
 
 
 def _parse(raw: str, kind: str | None) -> Any:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from glm5.serve.parsers.reasoning_glm import _partial_suffix
-from glm5.serve.parsers.schema_types import allowed_types, coerce_value, needs_context, single_type
+from glm5.serve.parsers.schema_types import (allowed_types, coerce_value, is_free_string, needs_context,
+                                             single_type)
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
@@ -207,7 +208,7 @@ class GLMToolParser:
         call.value_type = None
         if not call.buffered:
             kind = single_type(allowed_types(call.schema, call.schema, call.key))
-            if kind == "string":  # streams as it arrives
+            if kind == "string" and is_free_string(call.schema, call.key):  # streams as it arrives
                 call.value_type = "string"
                 self._emit_args(self._separator() + json.dumps(call.key, ensure_ascii=False) + ': "', out)
         self.state = "value"
@@ -241,6 +242,7 @@ class GLMToolParser:
         if call.value_type == "string":
             self._emit_args('"', out)
             return
+        # typed now that the value is complete
         types = allowed_types(call.schema, call.schema, call.key)
         value = coerce_value(call.value, types, call.schema, call.key)
         self._emit_args(self._separator() + json.dumps(call.key, ensure_ascii=False) + ": "
