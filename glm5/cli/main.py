@@ -18,6 +18,7 @@ COMMANDS = {
     "generate": ("generate", "generate text: `glm5 generate --model PATH --prompt ...`"),
     "serve": ("serve", "OpenAI-compatible server: `glm5 serve --model PATH`"),
     "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),
+    "finetune": ("finetune", "LoRA / prefix / full fine-tuning: `glm5 finetune --config configs/finetune/lora.toml`"),
     "merge": ("merge", "fold a LoRA adapter into its base: `glm5 merge BASE ADAPTER OUT`"),
     "eval": ("eval", "evaluate: `glm5 eval --model PATH_OR_URL --task mmlu --data DIR --output OUT.json`"),
     "distill": ("distill", "knowledge distillation into a small student: `glm5 distill --config ...`"),

@@ -178,12 +178,8 @@ def _from_peft(t: Target, which: str, x: torch.Tensor, num_experts: int) -> torc
 
 
 # --- load / save --------------------------------------------------------------------------------------
-@torch.no_grad()
-def load_adapter(model: torch.nn.Module, path: str | Path, dropout: float | None = None) -> list[Target]:
-    """Read a PEFT LoRA directory and apply it to `model` (in place, base frozen). Everything is checked
-    before the model is touched: a missing, unexpected or mis-shaped tensor raises naming it.
-    `dropout` (for further training) defaults to the file's `lora_dropout`."""
-    path = Path(path)
+def _read_checked(model: torch.nn.Module, path: Path) -> tuple[dict, dict, dict, LazyTensors]:
+    """(config, expected tensors, file key by expected key, tensors), after checking every tensor."""
     cfg = read_adapter_config(path)
     _check_lora_config(cfg, path)
     targets = peft_targets(model, cfg)
@@ -206,11 +202,16 @@ def load_adapter(model: torch.nn.Module, path: str | Path, dropout: float | None
     if extra:
         raise AdapterError(f"{path}/{WEIGHTS_FILE}: unexpected tensor(s) {extra[:5]} ({len(extra)} in all): they "
                            "match no target of adapter_config.json in this model")
-    dropout = float(cfg.get("lora_dropout") or 0.0) if dropout is None else dropout
-    apply_lora(model, targets, dropout=dropout, use_rslora=bool(cfg.get("use_rslora", False)))
+    return cfg, want, got, tensors
+
+
+@torch.no_grad()
+def _copy_weights(model: torch.nn.Module, want: dict, got: dict, tensors: LazyTensors) -> None:
     layers = {(t.name, t.param): mod for t, mod in lora_layers(model)}
     for key, (t, which, _) in want.items():
-        mod = layers[(t.name, t.param)]
+        mod = layers.get((t.name, t.param))
+        if mod is None or mod.r != t.r:
+            raise AdapterError(f"tensor {key!r}: the model's adapter has no such target (or another rank)")
         x = tensors.get(got[key])
         if t.param is None:
             dst = (mod.lora_A if which == "A" else mod.lora_B).weight
@@ -218,7 +219,30 @@ def load_adapter(model: torch.nn.Module, path: str | Path, dropout: float | None
             dst = mod.lora_A if which == "A" else mod.lora_B
             x = _from_peft(t, which, x, dst.shape[0])
         dst.copy_(x.to(dst.dtype))
+
+
+def load_adapter(model: torch.nn.Module, path: str | Path, dropout: float | None = None) -> list[Target]:
+    """Read a PEFT LoRA directory and apply it to `model` (in place, base frozen). Everything is checked
+    before the model is touched: a missing, unexpected or mis-shaped tensor raises naming it.
+    `dropout` (for further training) defaults to the file's `lora_dropout`."""
+    path = Path(path)
+    cfg, want, got, tensors = _read_checked(model, path)
+    targets = list(dict.fromkeys(t for t, _, _ in want.values()))
+    dropout = float(cfg.get("lora_dropout") or 0.0) if dropout is None else dropout
+    apply_lora(model, targets, dropout=dropout, use_rslora=bool(cfg.get("use_rslora", False)))
+    _copy_weights(model, want, got, tensors)
     return targets
+
+
+def copy_adapter_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Overwrite the weights of the adapter already applied to `model` (same targets and ranks) from
+    `path`, keeping the parameter objects (an optimizer that holds them stays valid): training resume."""
+    path = Path(path)
+    _, want, got, tensors = _read_checked(model, path)
+    have = {(t.name, t.param) for t, _ in lora_layers(model)}
+    if have != {(t.name, t.param) for t, _, _ in want.values()}:
+        raise AdapterError(f"{path}: its targets differ from the adapter being trained")
+    _copy_weights(model, want, got, tensors)
 
 
 def adapter_state(model: torch.nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
@@ -261,25 +285,35 @@ def _is_mlp(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")
 
 
-def save_adapter(model: torch.nn.Module, path: str | Path, base_model_name_or_path: str = "") -> Path:
-    """Write the model's LoRA adapters as a PEFT directory (atomically) that `PeftModel.from_pretrained`
-    loads onto transformers' GlmMoeDsaForCausalLM."""
-    targets, tensors = adapter_state(model)
+def adapter_config(model: torch.nn.Module, targets: list[Target], base_model_name_or_path: str = "") -> dict:
+    """The PEFT `adapter_config.json` describing `targets` (ranks/alphas as patterns where they differ)."""
     mods = [m for _, m in lora_layers(model)]
-    use_rslora = any(m.use_rslora for m in mods)
-    dropout = max(m.dropout for m in mods)
     r = max(t.r for t in targets)
     alpha = next(t.alpha for t in targets if t.r == r)
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-           "r": r, "lora_alpha": alpha, "use_rslora": use_rslora, "bias": "none", "inference_mode": True,
-           "init_lora_weights": True, "lora_dropout": dropout, "fan_in_fan_out": False,
-           **_compact_config(model, targets),
+           "r": r, "lora_alpha": alpha, "use_rslora": any(m.use_rslora for m in mods), "bias": "none",
+           "inference_mode": True, "init_lora_weights": True, "lora_dropout": max(m.dropout for m in mods),
+           "fan_in_fan_out": False, **_compact_config(model, targets),
            "rank_pattern": {re.escape(t.key): t.r for t in targets if t.r != r},
            "alpha_pattern": {re.escape(t.key): t.alpha for t in targets if t.alpha != alpha}}
     if cfg["target_parameters"]:
         cfg["lora_dropout"] = 0.0  # PEFT raises on dropout with target_parameters (training-only anyway)
+    return cfg
+
+
+def write_adapter(model: torch.nn.Module, directory: str | Path, base_model_name_or_path: str = "") -> None:
+    """Write the adapter files into `directory` (created if needed; not atomic: see `save_adapter`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    targets, tensors = adapter_state(model)
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    atomic_write_json(directory / CONFIG_FILE, adapter_config(model, targets, base_model_name_or_path))
+
+
+def save_adapter(model: torch.nn.Module, path: str | Path, base_model_name_or_path: str = "") -> Path:
+    """Write the model's LoRA adapters as a PEFT directory (atomically) that `PeftModel.from_pretrained`
+    loads onto transformers' GlmMoeDsaForCausalLM."""
     path = Path(path)
     with atomic_dir(path) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        atomic_write_json(tmp / CONFIG_FILE, cfg)
+        write_adapter(model, tmp, base_model_name_or_path)
     return path

@@ -31,20 +31,25 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 # --- generic state <-> (json, tensors) ---------------------------------------------------------------
-def flatten_state(obj, tensors: dict[str, torch.Tensor]):
+def flatten_state(obj, tensors: dict[str, torch.Tensor], storages: set | None = None):
     """Replace every tensor in a nested dict/list/tuple by {"__tensor__": key}, collecting tensors."""
+    storages = set() if storages is None else storages
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
-        tensors[key] = obj.detach().cpu().contiguous()
+        t = obj.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in storages:
+            t = t.clone()  # safetensors refuses shared storage (e.g. one quantisation map for many params)
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[key] = t
         return {"__tensor__": key}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
-            return {k: flatten_state(v, tensors) for k, v in obj.items()}
-        return {"__items__": [[k, flatten_state(v, tensors)] for k, v in obj.items()]}
+            return {k: flatten_state(v, tensors, storages) for k, v in obj.items()}
+        return {"__items__": [[k, flatten_state(v, tensors, storages)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [flatten_state(v, tensors) for v in obj]}
+        return {"__tuple__": [flatten_state(v, tensors, storages) for v in obj]}
     if isinstance(obj, list):
-        return [flatten_state(v, tensors) for v in obj]
+        return [flatten_state(v, tensors, storages) for v in obj]
     if isinstance(obj, np.ndarray):
         return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
     if isinstance(obj, (np.integer, np.floating)):
@@ -119,11 +124,12 @@ def step_dirs(ckpt_root: Path) -> list[Path]:
 
 
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, trainer_state: dict, config: dict,
-                    keep_last: int = 3) -> Path:
-    """Write `ckpt_root/step_<step>` atomically, then delete all but the newest `keep_last`."""
+                    keep_last: int = 3, write_model=save_pretrained) -> Path:
+    """Write `ckpt_root/step_<step>` atomically, then delete all but the newest `keep_last`.
+    `write_model(model, dir)` writes `model/` (fine-tuning passes an adapter writer: only what trains)."""
     final = ckpt_root / f"step_{step:08d}"
     with atomic_dir(final) as tmp:
-        save_pretrained(model, tmp / "model")
+        write_model(model, tmp / "model")
         save_state(optimizer.state_dict(), tmp, "optimizer")
         save_state({"step": step, **trainer_state, "rng": rng_state()}, tmp, "state")
         (tmp / "train_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -132,10 +138,15 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, trainer_state:
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
-    """Load model weights and optimizer state in place; restore RNG; return the trainer state
-    (with `step` = the number of optimizer steps already done)."""
-    load_hf_state_dict(model, LazyTensors(safetensors_files(path / "model"), verify=True))
+def read_hf_model(model, directory: Path) -> None:
+    """Load HF-layout weights from `directory` into `model` in place (strict, checksums verified)."""
+    load_hf_state_dict(model, LazyTensors(safetensors_files(directory), verify=True))
+
+
+def load_checkpoint(path: Path, model, optimizer, read_model=read_hf_model) -> dict:
+    """Load model weights (`read_model(model, path/"model")`, in place) and optimizer state; restore RNG;
+    return the trainer state (with `step` = the number of optimizer steps already done)."""
+    read_model(model, path / "model")
     optimizer_state, state = load_state(path, "optimizer"), load_state(path, "state")  # all read before use
     optimizer.load_state_dict(optimizer_state)
     set_rng_state(state.pop("rng"))

@@ -26,8 +26,9 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    name: Literal["adamw", "lamb", "muon"] = "adamw"
-    """AdamW (default), LAMB (seed T2), or Muon on hidden matrices + AdamW on the rest."""
+    name: Literal["adamw", "adamw8bit", "lamb", "muon"] = "adamw"
+    """AdamW (default), AdamW with 8-bit block-wise quantised moments (bitsandbytes; seed F2), LAMB
+    (seed T2), or Muon on hidden matrices + AdamW on the rest."""
     lr: float = 3e-4
     """Peak learning rate (of the AdamW/LAMB groups; of Muon too unless `muon_lr` is set)."""
     betas: tuple[float, float] = (0.9, 0.95)

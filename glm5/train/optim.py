@@ -226,9 +226,23 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     if cfg.name == "adamw":
         fused = all(p.is_cuda for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused or None)
+    if cfg.name == "adamw8bit":
+        return adamw_8bit(groups, cfg.lr, betas, cfg.eps)
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, max_trust=cfg.lamb_max_trust)
     if cfg.name == "muon":
         return Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
                     ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_adjust_lr, betas=betas, eps=cfg.eps)
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+
+
+def adamw_8bit(groups: list[dict], lr: float, betas: tuple, eps: float) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW8bit: both Adam moments block-wise quantised to 8 bits (a dynamic code with one
+    absmax per 256-value block; tensors under 4096 values keep fp32 moments), so optimizer state is
+    2 bytes per parameter instead of 8. Runs on CPU and GPU; optional dependency (`glm5[finetune]`)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError("optim.name = 'adamw8bit' needs bitsandbytes: "
+                          "pip install -c constraints.txt 'glm5[finetune]'") from e
+    return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps)

@@ -173,7 +173,7 @@ class Trainer:
             raise ValueError(f"{path} is a single-process checkpoint (no dcp/); resume it with one process, "
                              "or start the distributed run from its weights: --model.name=PATH/model")
         else:
-            state = load_checkpoint(path, self.raw_model, self.optimizer)
+            state = load_checkpoint(path, self.raw_model, self.optimizer, read_model=self.read_model)
         self.step = int(state["step"])
         self.guard.load_state_dict(state["guard"])
         self.data.load_state_dict(state["data"])
@@ -203,10 +203,20 @@ class Trainer:
         path = None
         if dist.is_main():
             path = save_checkpoint(self.ckpt_root, self.step, self.raw_model, self.optimizer,
-                                   self.trainer_state(), to_dict(self.cfg), self.cfg.checkpoint.keep_last)
+                                   self.trainer_state(), to_dict(self.cfg), self.cfg.checkpoint.keep_last,
+                                   write_model=self.write_model)
         if dist.is_dist():
             torch.distributed.barrier()
         return path
+
+    def write_model(self, model: torch.nn.Module, directory: Path) -> None:
+        """What a single-process checkpoint's `model/` holds: the whole model in HF layout (fine-tuning
+        overrides this to write only what trains)."""
+        save_pretrained(model, directory)
+
+    def read_model(self, model: torch.nn.Module, directory: Path) -> None:
+        """Inverse of `write_model`, in place."""
+        load_hf_state_dict(model, LazyTensors(safetensors_files(directory)))
 
     # --- one optimizer step -------------------------------------------------------------------------
     def _set_lr(self) -> float:
