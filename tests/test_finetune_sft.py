@@ -4,16 +4,16 @@ bundled set."""
 
 import gzip
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from glm5.core.resources import bundled
 from glm5.data import sft
 from glm5.data.infilling import IGNORE
 from glm5.data.tokenizer import load_tokenizer
 
-ASSET = Path(__file__).resolve().parents[1] / "glm5" / "data" / "assets" / "tokenizer-8k"
+ASSET = bundled("tokenizer-8k")
 TOOLS = [{"type": "function", "function": {"name": "man", "parameters": {"type": "object", "properties": {
     "page": {"type": "string"}}}}}]
 CALL = {"id": "c0", "type": "function", "function": {"name": "man", "arguments": '{"page": "ls"}'}}
@@ -120,7 +120,7 @@ def test_unrenderable_tool_arguments_are_named(tok, tmp_path):
 def test_bundled_set_is_licensed_bilingual_and_split_by_document(tok):
     splits = {}
     for split in ("train", "heldout"):
-        with gzip.open(sft.bundled_sft(split), "rt", encoding="utf-8") as f:
+        with gzip.open(bundled(f"sft/{split}.jsonl.gz"), "rt", encoding="utf-8") as f:
             splits[split] = [json.loads(line) for line in f]
         assert all(c["license"] and c["source"] and c["id"] for c in splits[split])
         assert {c["lang"] for c in splits[split]} >= {"en", "zh"}
@@ -128,6 +128,6 @@ def test_bundled_set_is_licensed_bilingual_and_split_by_document(tok):
     assert len(splits["heldout"]) >= 50 and len(splits["train"]) >= 1000
     assert any(c.get("tools") for c in splits["train"]) and any(
         m.get("reasoning_content") for c in splits["train"] for m in c["messages"])
-    for path in (sft.bundled_sft("heldout"),):  # every line renders with the bundled tokenizer
+    for path in (bundled("sft/heldout.jsonl.gz"),):  # every line renders with the bundled tokenizer
         docs = sft.encode_file(tok, path)
         assert all(m.any() for _, m in docs)

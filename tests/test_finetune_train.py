@@ -3,7 +3,6 @@ fp32 AdamW), gradual unfreezing, mixed-domain sampling, new domain tokens loadin
 
 import gzip
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from safetensors.torch import load_file
 
 from glm5.cli.finetune import main as finetune_main
 from glm5.core.config import load_config
+from glm5.core.resources import bundled
 from glm5.data.shards import ShardWriter
 from glm5.data.tokenizer import load_tokenizer
 from glm5.finetune.config import FinetuneConfig
@@ -23,8 +23,7 @@ from glm5.train.optim import build_optimizer
 
 from ._tiny import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = ROOT / "glm5" / "data" / "assets" / "tokenizer-8k"
+TOKENIZER = bundled("tokenizer-8k")
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +34,13 @@ def base(tmp_path_factory):
     save_pretrained(tiny_model(seed=0, vocab_size=8192, num_hidden_layers=2), root / "run" / "final")
     load_tokenizer(TOKENIZER).save(root / "run" / "final")
     (root / "run" / "metrics.jsonl").write_text(json.dumps({"event": "config", "config": {"optim": {"lr": 4e-3}}}) + "\n")
-    with gzip.open(ROOT / "glm5/data/assets/sft/train.jsonl.gz", "rt", encoding="utf-8") as f:
+    with gzip.open(bundled("sft/train.jsonl.gz"), "rt", encoding="utf-8") as f:
         (root / "train.jsonl").write_text("".join(f.readlines()[::45]))
     return root
 
 
 def _args(base, run, steps, *extra):
-    return ["--config", str(ROOT / "configs/finetune/lora.toml"), f"--model.name={base}/run/final",
+    return ["--config", "configs/finetune/lora.toml", f"--model.name={base}/run/final",
             f"--data.train_path={base}/train.jsonl", "--data.batch_size=2", "--data.seq_len=96",
             f"--train.steps={steps}", f"--log.run_dir={run}", "--log.measure_peak=false", "--log.progress=false",
             "--log.eval_batches=1", "--checkpoint.every=0", *extra]
@@ -76,7 +75,7 @@ def test_bad_configs_exit_2(base, tmp_path, capsys):
 
 
 def test_full_recipe_lr_is_pretraining_lr_over_10(base):
-    cfg = load_config(FinetuneConfig, ROOT / "configs/finetune/full.toml", [f"--model.name={base}/run/final"])
+    cfg = load_config(FinetuneConfig, "configs/finetune/full.toml", [f"--model.name={base}/run/final"])
     assert cfg.resolved_lr() == pytest.approx(4e-4)
     assert cfg.optim.name == "adamw8bit" and cfg.precision.activation_checkpointing
 
@@ -173,7 +172,7 @@ def test_new_domain_tokens_load_in_transformers(base, tmp_path):
 
 
 def test_trainer_reports_trainable_fraction(base):
-    cfg = load_config(FinetuneConfig, ROOT / "configs/finetune/lora.toml",
+    cfg = load_config(FinetuneConfig, "configs/finetune/lora.toml",
                       [f"--model.name={base}/run/final", f"--data.train_path={base}/train.jsonl", "--data.val_path=",
                        "--lora.targets=[\"attn\"]", "--lora.r=2"])
     t = FinetuneTrainer(cfg)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import gzip
 import json
-from importlib import resources
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from glm5.core.resources import resolve_path
 from glm5.data.infilling import IGNORE
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -41,13 +41,6 @@ class ChatExample:
     tools: list[dict] | None = None
     text: str | None = None  # a plain-text line ({"text": ...}): every token is a target
     meta: dict = field(default_factory=dict)  # the line's other fields (id, source, task, ...)
-
-
-def bundled_sft(split: str = "train") -> Path:
-    """The bundled SFT set (`train` or `heldout`), package data built by `glm5.data.sft_corpus`."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"bundled SFT split must be 'train' or 'heldout', got {split!r}")
-    return Path(str(resources.files("glm5.data") / "assets" / "sft" / f"{split}.jsonl.gz"))
 
 
 # --- reading ------------------------------------------------------------------------------------------
@@ -93,7 +86,7 @@ def parse_example(obj) -> ChatExample:
 
 def read_chat_jsonl(path: str | Path) -> list[ChatExample]:
     """All examples of a chat JSONL file (.jsonl or .jsonl.gz); a bad line raises naming it."""
-    path = Path(path)
+    path = resolve_path(path)  # `bundled:sft/train.jsonl.gz` = the bundled SFT set
     if not path.is_file():
         raise SFTDataError(f"SFT file not found: {path}")
     out = []

@@ -25,12 +25,12 @@ METHOD_LR = {"lora": 5e-4, "prefix": 5e-3}
 
 @dataclass(kw_only=True)
 class SFTDataConfig:
-    train_path: str = "bundled"
-    """Chat (or {"text": ...}) JSONL, .jsonl or .jsonl.gz; "bundled" = the bundled SFT set's train split."""
-    val_path: str = "bundled"
-    """Held-out JSONL for the validation loss; "bundled" = the bundled set's held-out split; "" = none."""
+    train_path: str = "bundled:sft/train.jsonl.gz"
+    """Chat (or {"text": ...}) JSONL, .jsonl or .jsonl.gz; default: the bundled bilingual SFT set."""
+    val_path: str = "bundled:sft/heldout.jsonl.gz"
+    """Held-out JSONL for the validation loss (default: the bundled set's held-out split; "" = none)."""
     tokenizer: str = ""
-    """Tokenizer directory; "" = the base checkpoint's, else the bundled tokenizer."""
+    """Tokenizer directory; "" = the base checkpoint's, else `bundled:tokenizer-8k`."""
     batch_size: int = 8
     """Rows per micro-batch."""
     seq_len: int = 512

@@ -20,10 +20,6 @@ from glm5.data.tokenizer import GLMTokenizer
 from glm5.train.data import DataSource
 
 
-def _resolve(path: str, split: str) -> Path:
-    return sft.bundled_sft(split) if path == "bundled" else Path(path)
-
-
 def _batch(rows: dict[str, np.ndarray], position_offset: int) -> dict[str, torch.Tensor]:
     out = {k: torch.from_numpy(v) for k, v in rows.items()}
     if position_offset:
@@ -38,9 +34,8 @@ class SFTData(DataSource):
     def __init__(self, cfg, tokenizer: GLMTokenizer, position_offset: int = 0):
         self.cfg, self.tokenizer, self.position_offset = cfg, tokenizer, position_offset
         self.micro_batch_size, self.vocab_size = cfg.batch_size, tokenizer.vocab_size
-        self.docs = sft.encode_file(tokenizer, _resolve(cfg.train_path, "train"), cfg.keep_reasoning)
-        self.val_docs = (sft.encode_file(tokenizer, _resolve(cfg.val_path, "heldout"), cfg.keep_reasoning)
-                         if cfg.val_path else [])
+        self.docs = sft.encode_file(tokenizer, cfg.train_path, cfg.keep_reasoning)
+        self.val_docs = sft.encode_file(tokenizer, cfg.val_path, cfg.keep_reasoning) if cfg.val_path else []
         self.epoch, self.cursor = 0, 0
         self._rows = self._epoch_rows(0)
 

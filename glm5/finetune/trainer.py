@@ -17,6 +17,7 @@ import torch
 
 from glm5.core import dist
 from glm5.core.io import atomic_dir
+from glm5.core.resources import bundled, resolve_path
 from glm5.data.tokenizer import load_tokenizer
 from glm5.train.trainer import Trainer
 
@@ -26,15 +27,12 @@ from .config import FinetuneConfig
 from .domain import UnfreezeSchedule, add_domain_tokens
 from .sft_data import MixedData, SFTData
 
-BUNDLED_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "assets" / "tokenizer-8k"
-
-
 def tokenizer_dir(cfg: FinetuneConfig) -> Path:
     """`data.tokenizer`, else the base checkpoint's tokenizer files, else the bundled tokenizer."""
     if cfg.data.tokenizer:
-        return Path(cfg.data.tokenizer)
+        return resolve_path(cfg.data.tokenizer)
     base = Path(cfg.model.name)
-    return base if (base / "tokenizer.json").is_file() else BUNDLED_TOKENIZER
+    return base if (base / "tokenizer.json").is_file() else bundled("tokenizer-8k")
 
 
 def build_model(cfg: FinetuneConfig):
