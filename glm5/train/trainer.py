@@ -30,7 +30,7 @@ from glm5.model.model import GLM5ForCausalLM
 
 from . import perf
 from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
-from .checkpoint import load_checkpoint, resume_candidates, save_checkpoint
+from .checkpoint import load_checkpoint, read_hf_model, resume_candidates, save_checkpoint
 from .config import TrainConfig
 from .data import DataSource, build_data
 from .indexer_warmup import AttnCapture, indexer_parameters, warmup_step
@@ -215,8 +215,8 @@ class Trainer:
         save_pretrained(model, directory)
 
     def read_model(self, model: torch.nn.Module, directory: Path) -> None:
-        """Inverse of `write_model`, in place."""
-        load_hf_state_dict(model, LazyTensors(safetensors_files(directory)))
+        """Inverse of `write_model`, in place (checksums verified)."""
+        read_hf_model(model, directory)
 
     # --- one optimizer step -------------------------------------------------------------------------
     def _set_lr(self) -> float:
