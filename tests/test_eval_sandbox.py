@@ -5,6 +5,7 @@ The namespace checks skip where `unshare` is unavailable (there the limits are d
 import os
 import socket
 import sys
+import time
 
 import pytest
 
@@ -42,6 +43,20 @@ def test_fork_bomb_is_contained():
     r = run_program("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", FAST)
     assert r.status in ("timeout", "error") and r.wall_s < 15
     assert run_program("print('alive')", FAST).status == "pass"  # the machine still runs programs
+
+
+def test_fork_bomb_elsewhere_does_not_break_other_programs():
+    """The process limit is shared by every sandbox of the same user: a fork bomb running in one must not
+    make another sandbox fail to start its program (it did when the limit applied before our own fork)."""
+    import threading
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    t = threading.Thread(target=run_program, args=(bomb, Limits(cpu_s=3, wall_s=6)))
+    t.start()
+    try:
+        time.sleep(1.0)
+        assert [run_program("assert 1 + 1 == 2", FAST).status for _ in range(2)] == ["pass", "pass"]
+    finally:
+        t.join()
 
 
 def test_writing_outside_its_directory_fails(tmp_path):

@@ -65,12 +65,10 @@ def read_only_except(directory: str) -> None:
 
 
 def set_limits(limits: dict) -> None:
-    cpu, mem, fsize, nproc, nofile = (limits["cpu_s"], limits["memory_mb"] << 20, limits["file_mb"] << 20,
-                                      limits["nproc"], limits["nofile"])
+    cpu, mem, fsize, nofile = limits["cpu_s"], limits["memory_mb"] << 20, limits["file_mb"] << 20, limits["nofile"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at cpu, SIGKILL one second later
     resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))  # not enforced for uid 0: see drop_uid
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
@@ -94,6 +92,10 @@ def main() -> int:
     python = spec["python"]
     pid = os.fork()
     if pid == 0:
+        # the process limit counts every process of the sandbox user on the machine (other sandboxes too),
+        # so it is set only here: our own fork above must not fail because another sandbox is busy
+        nproc = spec["limits"]["nproc"]  # not enforced for uid 0: see drop_uid
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         os.execv(python, [python, "-I", "-c", RUNNER, spec["program"]])
     # wait here so that a death by signal keeps its meaning through `unshare`, which reports it as 1
     _, status = os.waitpid(pid, 0)
