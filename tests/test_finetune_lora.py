@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from glm5.cli.merge import main as merge_main
-from glm5.finetune import lora
+from glm5.model import lora
 from glm5.finetune.adapters import from_pretrained
-from glm5.finetune.peft_io import AdapterError
+from glm5.model.peft_adapter import AdapterError
 from glm5.model.hf_adapter import save_pretrained
 
 from ._tiny import tiny_model

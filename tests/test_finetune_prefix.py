@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from glm5.finetune import prefix
+from glm5.model.peft_adapter import AdapterError
 
 from ._tiny import tiny_model
 
@@ -47,5 +48,5 @@ def test_only_the_prefix_trains_and_files_round_trip(tmp_path):
     prefix.remove_prefix(other)
     with torch.no_grad():
         assert torch.equal(other(x).logits, tiny_model(seed=5)(x).logits)
-    with pytest.raises(ValueError, match="kv_lora_rank = 16 but the model has 8"):
+    with pytest.raises(AdapterError, match="kv_lora_rank = 16 but the model has 8"):
         prefix.load_prefix(tiny_model(seed=5, kv_lora_rank=8), tmp_path / "p")

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from glm5.finetune.adapters import merge_checkpoint
-from glm5.finetune.peft_io import AdapterError
+from glm5.model.peft_adapter import AdapterError
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,8 @@
 """`glm5 serve`: the OpenAI-compatible server.
 
     glm5 serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--admin-key KEY]
-               [--config serve.toml] [--engine.max_num_seqs=64 | --max_num_seqs=64] [--server.key=value]
+               [--lora NAME=DIR ...] [--max-loras N] [--config serve.toml] [--engine.max_num_seqs=64 |
+               --max_num_seqs=64] [--server.key=value]
                [--ocr [--ocr-model CKPT] [--ocr-rounds N]]   # POST /v1/ocr and image_url chat parts
 
 `--config` is a TOML file with `[engine]` (EngineConfig) and `[server]` (ServerConfig) tables. Engine and
@@ -33,6 +34,8 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     p.add_argument("--api-key", help="require this Bearer key on /v1/* (or set GLM5_API_KEY)")
     p.add_argument("--admin-key", help="enable /admin/* with this Bearer key (or set GLM5_ADMIN_KEY)")
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                   help="serve a PEFT LoRA adapter as model NAME (repeatable; see docs/finetune.md)")
     args, rest = p.parse_known_args(argv)
     d = load_toml(args.config) if args.config else {}
     unknown = set(d) - {"engine", "server"}
@@ -41,12 +44,25 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     engine_d, server_d = dict(d.get("engine", {})), dict(d.get("server", {}))
     apply_overrides(d := {"engine": engine_d, "server": server_d}, _qualify(_pairs(rest)))
     engine_d["model"] = args.model
+    if args.lora:
+        engine_d["lora_modules"] = {**engine_d.get("lora_modules", {}), **_lora_pairs(args.lora)}
     for key, value in (("host", args.host), ("port", args.port), ("served_model_name", args.served_model_name),
                        ("api_key", args.api_key or os.environ.get("GLM5_API_KEY")),
                        ("admin_key", args.admin_key or os.environ.get("GLM5_ADMIN_KEY"))):
         if value is not None:
             server_d[key] = value
     return from_dict(EngineConfig, d["engine"], "engine"), from_dict(ServerConfig, d["server"], "server")
+
+
+def _lora_pairs(items: list[str]) -> dict[str, str]:
+    """`--lora NAME=DIR` values -> {NAME: DIR}."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora {item!r}: expected NAME=DIR")
+        out[name] = path
+    return out
 
 
 def _pairs(rest: list[str]) -> list[str]:

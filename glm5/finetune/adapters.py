@@ -3,7 +3,7 @@
 
 `GLM5AdapterModel` is `GLM5ForCausalLM` with these methods added and nothing else changed (same
 forward, same state dict until an adapter is applied); it lives here, above `glm5.model`, because
-adapters are applied from outside the model. Formats: PEFT LoRA (`peft_io.py`).
+adapters are applied from outside the model. Formats: PEFT LoRA (`peft_adapter.py`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from glm5.core.io import atomic_dir
-from glm5.model import hf_adapter
+from glm5.model import hf_adapter, lora, peft_adapter
 from glm5.model.model import GLM5ForCausalLM
 
-from . import lora, peft_io
+from . import prefix
 
 # Files copied from the base checkpoint next to a merged one (tokenizer and generation defaults).
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -35,18 +35,28 @@ class GLM5AdapterModel(GLM5ForCausalLM):
         lora.apply_lora(self, targets, cfg.dropout, cfg.use_rslora)
         return targets
 
-    def load_adapter(self, path: str | Path, dropout: float | None = None) -> list[lora.Target]:
-        """Apply the adapter in `path` (replacing any adapter already applied, which is dropped)."""
-        if lora.has_lora(self):
-            lora.remove_lora(self)
-        return peft_io.load_adapter(self, path, dropout)
+    def load_adapter(self, path: str | Path, dropout: float | None = None) -> None:
+        """Apply the adapter in `path`, a PEFT LoRA or a latent prefix (replacing any adapter already
+        applied, which is dropped)."""
+        kind = peft_adapter.adapter_kind(path)
+        lora.remove_lora(self)
+        prefix.remove_prefix(self)
+        if kind == "prefix":
+            prefix.load_prefix(self, path)
+        else:
+            peft_adapter.load_adapter(self, path, dropout)
 
     def save_adapter(self, path: str | Path) -> Path:
-        """Write the adapter as a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`)."""
-        return peft_io.save_adapter(self, path, self.name_or_path)
+        """Write the adapter: a PEFT LoRA directory, or the latent prefix files."""
+        if prefix.has_prefix(self):
+            return prefix.save_prefix(self, path, self.name_or_path)
+        return peft_adapter.save_adapter(self, path, self.name_or_path)
 
     def merge_adapter(self) -> "GLM5AdapterModel":
-        """Fold the adapter into the base weights (in place); the result saves as a plain checkpoint."""
+        """Fold the LoRA adapter into the base weights (in place); the result saves as a plain checkpoint.
+        A prefix has no weights to fold into: it is served as cache entries (docs/finetune.md)."""
+        if prefix.has_prefix(self):
+            raise ValueError("a prefix adapter cannot be merged into the weights; serve it with the engine")
         return lora.merge_lora(self)
 
     def trainable_report(self) -> dict:

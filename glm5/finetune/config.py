@@ -18,7 +18,7 @@ from typing import Literal
 from glm5.train.config import (BalanceConfig, LogConfig, OptimConfig, ScheduleConfig, TrainConfig,
                                TrainSection)
 
-from .lora import LoraConfig
+from glm5.model.lora import LoraConfig
 
 METHOD_LR = {"lora": 5e-4, "prefix": 5e-3}
 

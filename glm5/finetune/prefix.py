@@ -23,20 +23,17 @@ Dims: P virtual tokens, R kv_lora_rank, D indexer head dim, B batch, T tokens.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from glm5.core.io import LazyTensors, atomic_dir, atomic_write_json
+from glm5.core.io import atomic_dir
+from glm5.model import peft_adapter
 from glm5.model.attention import MLAttention
 from glm5.model.indexer import Indexer
 from glm5.model.masks import MaskSpec
 
-PEFT_TYPE = "GLM5_MLA_PREFIX"
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
 class LatentPrefix(nn.Module):
@@ -165,22 +162,15 @@ def init_from_tokens(model: nn.Module, ids: torch.Tensor) -> None:
             params[f"prefix.layers.{i}.index_key"].copy_(Indexer.project_k(attn.indexer, x, cos, sin)[0])
 
 
-# --- files --------------------------------------------------------------------------------------------
+# --- files (format: glm5/model/peft_adapter.py) -------------------------------------------------------
 def prefix_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.detach().cpu().contiguous() for k, p in _prefix_params(model).items()}
 
 
 def write_prefix(model: nn.Module, directory: str | Path, base_model_name_or_path: str = "") -> None:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    save_file(prefix_tensors(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    atomic_write_json(directory / CONFIG_FILE, {
-        "peft_type": PEFT_TYPE, "base_model_name_or_path": base_model_name_or_path,
-        "num_virtual_tokens": _attentions(model)[0].prefix.latent.shape[0],
-        "num_layers": cfg.num_hidden_layers, "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_rope_head_dim": cfg.qk_rope_head_dim, "index_head_dim": cfg.index_head_dim,
-        "position_offset": "real tokens start at position num_virtual_tokens"})
+    P = _attentions(model)[0].prefix.latent.shape[0]
+    peft_adapter.write_prefix_files(directory, peft_adapter.prefix_config(model.config, P, base_model_name_or_path),
+                                    prefix_tensors(model))
 
 
 def save_prefix(model: nn.Module, path: str | Path, base_model_name_or_path: str = "") -> Path:
@@ -192,33 +182,12 @@ def save_prefix(model: nn.Module, path: str | Path, base_model_name_or_path: str
 
 @torch.no_grad()
 def load_prefix(model: nn.Module, path: str | Path, apply: bool = True) -> int:
-    """Apply (or, with `apply=False`, refill the existing) prefix from `path`; checks every tensor
-    before touching the model. Returns the number of virtual tokens."""
-    path = Path(path)
-    cfg = json.loads((path / CONFIG_FILE).read_text())
-    P = int(cfg["num_virtual_tokens"])
-    for key in ("num_layers", "kv_lora_rank", "qk_rope_head_dim"):
-        want = getattr(model.config, "num_hidden_layers" if key == "num_layers" else key)
-        if int(cfg[key]) != want:
-            raise ValueError(f"{path}/{CONFIG_FILE}: {key} = {cfg[key]} but the model has {want}")
-    tensors = LazyTensors([path / WEIGHTS_FILE])
-    expected = {}
-    for i, attn in enumerate(_attentions(model)):
-        expected[f"prefix.layers.{i}.latent"] = [P, model.config.kv_lora_rank]
-        expected[f"prefix.layers.{i}.rope_key"] = [P, model.config.qk_rope_head_dim]
-        if attn.indexer is not None:
-            expected[f"prefix.layers.{i}.index_key"] = [P, model.config.index_head_dim]
-    for key, shape in expected.items():
-        if key not in tensors:
-            raise ValueError(f"{path}/{WEIGHTS_FILE}: missing tensor {key!r}")
-        if list(tensors.shape(key)) != shape:
-            raise ValueError(f"{path}/{WEIGHTS_FILE}: tensor {key!r} has shape {tensors.shape(key)}, expected {shape}")
-    extra = sorted(set(tensors.keys()) - set(expected))
-    if extra:
-        raise ValueError(f"{path}/{WEIGHTS_FILE}: unexpected tensor(s) {extra[:5]}")
+    """Apply (or, with `apply=False`, refill the existing) prefix from `path`; every tensor is checked
+    before the model is touched. Returns the number of virtual tokens."""
+    P, tensors = peft_adapter.read_prefix(model.config, path)
     if apply:
         apply_prefix(model, P)
     params = _prefix_params(model)
-    for key in expected:
-        params[key].copy_(tensors.get(key).to(params[key].dtype))
+    for key, t in tensors.items():
+        params[key].copy_(t.to(params[key].dtype))
     return P

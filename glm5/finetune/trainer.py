@@ -21,7 +21,9 @@ from glm5.core.resources import bundled, resolve_path
 from glm5.data.tokenizer import load_tokenizer
 from glm5.train.trainer import Trainer
 
-from . import peft_io, prefix
+from glm5.model import peft_adapter
+
+from . import prefix
 from .adapters import GLM5AdapterModel, from_pretrained
 from .config import FinetuneConfig
 from .domain import UnfreezeSchedule, add_domain_tokens
@@ -93,7 +95,7 @@ class FinetuneTrainer(Trainer):
     def write_model(self, model: GLM5AdapterModel, directory: Path) -> None:
         """Checkpoints and `final/` hold what trains: the PEFT adapter, the prefix, or the whole model."""
         if self.method == "lora":
-            peft_io.write_adapter(model, directory, model.name_or_path)
+            peft_adapter.write_adapter(model, directory, model.name_or_path)
         elif self.method == "prefix":
             prefix.write_prefix(model, directory, model.name_or_path)
         else:
@@ -101,7 +103,7 @@ class FinetuneTrainer(Trainer):
 
     def read_model(self, model: GLM5AdapterModel, directory: Path) -> None:
         if self.method == "lora":
-            peft_io.copy_adapter_weights(model, directory)
+            peft_adapter.copy_adapter_weights(model, directory)
         elif self.method == "prefix":
             prefix.load_prefix(model, directory, apply=False)
         else:

@@ -184,6 +184,7 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash, block.parent_hash, block.token_ids = None, None, ()
         self.hash_to_block_id.clear()
+        self._num_registered.clear()  # no block is registered any more: running requests may register again
 
     def _take(self, block: Block) -> None:
         if block.ref_cnt == 0:

@@ -8,7 +8,7 @@ options, the server the dynamic-batching knobs. Load with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -40,6 +40,11 @@ class EngineConfig:
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts
     enforce_eager: bool = False  # no CUDA graphs
 
+    # multi-LoRA serving (glm5/infer/lora.py)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT LoRA directory, loaded at start
+    max_loras: int = 0  # adapter slots (0 = as many as lora_modules; requests pick one by name)
+    max_lora_rank: int = 16  # adapters up to this rank can be loaded
+
     # long conversations
     max_session_len: int | None = None  # tokens a session may keep before its history is cut
     session_policy: Literal["drop", "summarize"] = "drop"  # what to do past max_session_len
@@ -60,6 +65,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.speculative_num_tokens < 0:
             raise ValueError(f"speculative_num_tokens must be >= 0, got {self.speculative_num_tokens}")
         if self.batch_timeout_ms < 0:

@@ -23,6 +23,7 @@ from glm5.model.config import ModelConfig
 from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import cast_model, from_pretrained
 from glm5.model.kv_cache import bytes_per_token
+from glm5.model.peft_adapter import adapter_kind
 from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import ExpertShadow
 
@@ -31,6 +32,8 @@ from .config import EngineConfig
 from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
 from .faults import FaultTracker, is_fatal, run_each
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
+from .lora import LoRAManager
+from .prefix_adapters import PrefixAdapters
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, fan_out
 from .runner import ModelRunner, RunnerOutput
@@ -116,6 +119,11 @@ class LLMEngine:
         self._flushed: set[str] = set()  # finished requests whose detokenizer was flushed
         self._errors: dict[str, str] = {}  # request id -> why the engine aborted it (faults.py)
         self._faults = FaultTracker()
+        self.loras = self._lora_manager()
+        self.prefixes = PrefixAdapters(self.config, self.block_manager, self.runner.cache, self.model_config)
+        self._adapter_of: dict[str, str] = {}  # request id -> the adapter it runs with
+        for name, path in self.config.lora_modules.items():
+            self.load_lora(name, path)
 
     # ---- construction helpers -----------------------------------------------------------------------
     def _convert(self, model: GLM5ForCausalLM) -> GLM5ForCausalLM:
@@ -125,6 +133,16 @@ class LLMEngine:
             k = c.int8_kernel
             quantize_model(model, None if k == "auto" else {"small": k, "large": k})
         return model
+
+    def _lora_manager(self) -> LoRAManager | None:
+        c = self.config
+        slots = c.max_loras or len(c.lora_modules)
+        if not slots:
+            return None
+        if c.quantization is not None:
+            raise ValueError("multi-LoRA serving needs the unquantised model (adapters add to nn.Linear outputs); "
+                             "serve a merged checkpoint (glm5 merge) with INT8 instead")
+        return LoRAManager(self.model, slots, c.max_lora_rank)
 
     def _size_kv(self) -> tuple[int, int]:
         """(KV blocks, max_model_len). An unset max_model_len is the model's max_position_embeddings,
@@ -170,10 +188,23 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                    cache_salt: str | None = None, infill: InfillLayout | None = None) -> str:
+                    cache_salt: str | None = None, infill: InfillLayout | None = None,
+                    lora_name: str | None = None) -> str:
         """Queue a request. `infill` (GLM blank infilling, see `glm5.data.infilling.infill_prompt`) gives the
-        prompt's Part A / Part B layout: Part A attends bidirectionally, Part B is generated until <eop>."""
+        prompt's Part A / Part B layout: Part A attends bidirectionally, Part B is generated until <eop>.
+        `lora_name`: run it with that loaded adapter (`load_lora`); its KV is cached apart from the base's."""
         params = params or SamplingParams()
+        slot, num_virtual = -1, 0
+        if lora_name is not None and lora_name in self.prefixes.loaded:  # prefix tuning: a cached prefix
+            if prompt_token_ids is None and prompt is not None and self.tokenizer is not None:
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            if prompt_token_ids is not None:
+                check_token_ids("prompt_token_ids", prompt_token_ids, self.model_config.vocab_size)
+                prompt_token_ids, cache_salt = self.prefixes.prepare(lora_name, prompt_token_ids, params, cache_salt)
+                num_virtual = self.prefixes.loaded[lora_name].num_tokens
+        elif lora_name is not None:  # KV computed with an adapter must never serve another adapter's prefix
+            slot = self._lora_slot(lora_name)
+            cache_salt = f"{cache_salt or ''}\x00lora:{lora_name}#{self.loras.versions[lora_name]}"
         request_id = request_id or uuid.uuid4().hex
         if params.use_beam_search:
             raise ValueError("use_beam_search: run beam search through LLM.beam_search (it drives the engine)")
@@ -199,6 +230,7 @@ class LLMEngine:
             r.model_version = self.model_version
             if params.structured_outputs is not None:
                 r.grammar = self.grammars.state(params.structured_outputs)
+            r.adapter_id, r.num_virtual_tokens = slot, num_virtual
         for i, r in enumerate(reqs):
             try:
                 self.scheduler.add_request(r)
@@ -208,6 +240,8 @@ class LLMEngine:
                 raise
         self._groups[request_id] = reqs
         self._prompts[request_id] = prompt
+        if lora_name is not None:
+            self._adapter_of[request_id] = lora_name
         return request_id
 
     @functools.cached_property
@@ -233,10 +267,47 @@ class LLMEngine:
         from glm5.data.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
 
+    # ---- adapters: multi-LoRA (lora.py) and prefix tuning (prefix_adapters.py) ---------------------------
+    def _lora_slot(self, name: str) -> int:
+        if self.loras is None or name not in self.loras.slots:
+            raise ValueError(f"lora_name: no adapter named {name!r} is loaded (loaded: {sorted(self.list_loras())})")
+        return self.loras.slots[name]
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load an adapter as `name` between steps: a PEFT LoRA (multi-LoRA slots) or a glm5 latent prefix.
+        A name in use, a full engine, or an adapter that does not fit the model raises ValueError naming
+        why; nothing changes then."""
+        if name in self.list_loras():
+            raise ValueError(f"an adapter named {name!r} is already loaded (unload it first)")
+        if adapter_kind(path) == "prefix":
+            self.prefixes.load(name, path)
+            return
+        if self.loras is None:
+            raise ValueError("this engine has no LoRA slots: start it with max_loras > 0 (glm5 serve --max-loras N)")
+        self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Drop adapter `name`; refused (ValueError) while unfinished requests use it."""
+        if name not in self.list_loras():
+            raise ValueError(f"lora_name: no adapter named {name!r} is loaded")
+        users = [gid for gid, a in self._adapter_of.items() if a == name and gid in self._groups]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} running request(s); retry when they finish")
+        if name in self.prefixes.loaded:
+            self.prefixes.unload(name)
+        else:
+            self.loras.unload(name)
+
+    def list_loras(self) -> dict[str, str]:
+        """Loaded adapters (LoRA and prefix): name -> directory."""
+        loras = dict(self.loras.paths) if self.loras else {}
+        return {**loras, **{n: p.path for n, p in self.prefixes.loaded.items()}}
+
     def abort_request(self, request_id: str) -> None:
         for r in self._groups.pop(request_id, []):
             self.scheduler.abort(r.request_id)
         self._prompts.pop(request_id, None)
+        self._adapter_of.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -280,6 +351,7 @@ class LLMEngine:
                 for r in self._groups.pop(o.request_id, []):
                     self._flushed.discard(r.request_id)
                 self._prompts.pop(o.request_id, None)
+                self._adapter_of.pop(o.request_id, None)
                 self._errors.pop(o.request_id, None)
         self._drop_unused_shadow()  # after the outputs: they report the version their requests ran on
         return outputs
@@ -316,7 +388,7 @@ class LLMEngine:
                 r.cumulative_logprob if r.logprobs is not None else None,
                 list(r.logprobs) if r.logprobs is not None else None, r.status.finish_reason, r.stop_reason))
         first = reqs[0]
-        return RequestOutput(group_id, self._prompts.get(group_id), list(first.prompt_token_ids),
+        return RequestOutput(group_id, self._prompts.get(group_id), list(first.prompt_token_ids[first.num_virtual_tokens:]),
                              first.prompt_logprobs, outs, all(r.is_finished for r in reqs), first.metrics,
                              self._version_of(first), self._errors.get(group_id))
 
@@ -379,6 +451,7 @@ class LLMEngine:
         """Make `version` current; requests running on `old_version` keep `old_weights` (soft MoE mixes
         every expert per token and is not shadowed: its running requests are told instead)."""
         self.block_manager.reset_prefix_cache()
+        self.prefixes.register()  # prefix adapters' entries are not model outputs: they stay valid
         self.model_version = version
         shadow = {}
         for (layer, e), w in old_weights.items():

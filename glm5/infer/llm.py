@@ -32,7 +32,12 @@ ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", *, tokenizer=None, model_obj=None, **engine_options):
+    def __init__(self, model: str = "tiny", *, tokenizer=None, model_obj=None, lora: dict[str, str] | None = None,
+                 **engine_options):
+        """`lora`: adapters to load, name -> PEFT LoRA directory (same as `lora_modules`); pick one per
+        request with `generate(..., lora=name)`."""
+        if lora:
+            engine_options["lora_modules"] = {**engine_options.get("lora_modules", {}), **lora}
         unknown = set(engine_options) - ENGINE_FIELDS
         if unknown:
             raise TypeError(f"unknown engine option(s) {sorted(unknown)}; see glm5.infer.config.EngineConfig")
@@ -51,32 +56,36 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _submit(self, prompts, sampling_params, infill: InfillLayout | list[InfillLayout | None] | None = None
-                ) -> list[str]:
+    def _submit(self, prompts, sampling_params, infill: InfillLayout | list[InfillLayout | None] | None = None,
+                lora: str | list[str | None] | None = None) -> list[str]:
         prompts = self._as_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         layouts = infill if isinstance(infill, list) else [infill] * len(prompts)
-        if len(params) != len(prompts) or len(layouts) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params / {len(layouts)} layouts for {len(prompts)} prompts")
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if not len(params) == len(layouts) == len(loras) == len(prompts):
+            raise ValueError(f"{len(params)} sampling params / {len(layouts)} layouts / {len(loras)} adapters for "
+                             f"{len(prompts)} prompts")
         ids = []
-        for p, sp, layout in zip(prompts, params, layouts):
+        for p, sp, layout, name in zip(prompts, params, layouts, loras):
             rid = f"llm-{next(self._ids)}"
             sp = sp or self.engine.default_sampling_params()  # the model's generation_config.json defaults
             if isinstance(p, str):
-                self.engine.add_request(rid, prompt=p, params=sp)
+                self.engine.add_request(rid, prompt=p, params=sp, lora_name=name)
             else:
-                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp, infill=layout)
+                self.engine.add_request(rid, prompt_token_ids=list(p), params=sp, infill=layout, lora_name=name)
             ids.append(rid)
         return ids
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Outputs in prompt order (each finished)."""
-        return self._generate(prompts, sampling_params)
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Outputs in prompt order (each finished). `lora`: a loaded adapter's name for every prompt, or one
+        per prompt (None = the base model); different adapters run in the same batches."""
+        return self._generate(prompts, sampling_params, lora=lora)
 
-    def _generate(self, prompts, sampling_params, infill: InfillLayout | None = None) -> list[RequestOutput]:
-        ids = self._submit(prompts, sampling_params, infill)
+    def _generate(self, prompts, sampling_params, infill: InfillLayout | None = None,
+                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        ids = self._submit(prompts, sampling_params, infill, lora)
         done: dict[str, RequestOutput] = {}
         for out in self._drain(set(ids)):
             if out.finished:

@@ -62,6 +62,8 @@ class Request:
         self.params = params or SamplingParams()
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_salt = cache_salt  # mixed into the first block hash: isolates tenants' caches
+        self.adapter_id = -1  # multi-LoRA slot (-1 = base model); its name and version are in cache_salt
+        self.num_virtual_tokens = 0  # prefix-adapter placeholders at the start of the prompt (not reported)
         # GLM blank infilling: Part A is bidirectional, so its KV depends on all of Part A; the runner takes
         # positions from the layout and the scheduler computes Part A in one chunk.
         self.infill = infill

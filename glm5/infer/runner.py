@@ -92,7 +92,7 @@ class ModelRunner:
     def _chunk(self, s: ScheduledRequest) -> SeqChunk:
         req = s.request
         tokens = (req.all_token_ids + s.spec_token_ids)[s.start:s.start + s.num_tokens]
-        chunk = SeqChunk(req.request_id, s.start, tokens, req.block_ids)
+        chunk = SeqChunk(req.request_id, s.start, tokens, req.block_ids, adapter_id=req.adapter_id)
         chunk.pinned = self.expert_shadow is not None and req.model_version == self.expert_shadow.version
         if req.infill is not None:  # GLM blank infilling: 2D positions, bidirectional Part A
             end = s.start + s.num_tokens

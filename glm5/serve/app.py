@@ -2,8 +2,9 @@
 
 `create_app(engine, tokenizer, config)` wraps a synchronous `LLMEngine` (driven by `AsyncEngine` in one
 background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/infill` (llama.cpp's code
-completion), `/v1/models`, `/health`, `/metrics`, `/tokenize`, `/detokenize` and the expert hot-swap admin
-routes. Every client mistake maps to a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500
+completion), `/v1/models` (the base model and its loaded LoRA adapters: a request's `model` may name one),
+`/health`, `/metrics`, `/tokenize`, `/detokenize`, the expert hot-swap admin routes and vLLM's
+`/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500
 means a server bug.
 """
 
@@ -32,6 +33,7 @@ from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.config import ServerConfig
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
+                                 LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                  TokenizeRequest, now)
 from glm5.serve.serving_chat import create_chat_completion, render_and_encode
 from glm5.serve.serving_completion import create_completion
@@ -89,7 +91,7 @@ class Gatekeeper:
 
     def _authorize(self, path: str, authorization: str) -> None:
         cfg = self.state.config
-        if path.startswith("/admin/"):
+        if path.startswith("/admin/") or path in LORA_ADMIN_ROUTES:
             if cfg.admin_key is None:
                 raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
                                "permission_error", code="admin_disabled")
@@ -118,6 +120,9 @@ class Gatekeeper:
             chunks.append(msg.get("body", b""))
             if not msg.get("more_body"):
                 return b"".join(chunks)
+
+
+LORA_ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # vLLM's paths, behind the admin key
 
 
 def _check_bearer(authorization: str, key: str | None, what: str) -> None:
@@ -255,7 +260,10 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
         card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "glm5",
                 "root": state.engine.config.model,
                 "max_model_len": state.max_model_len, "model_version": state.async_engine.model_version}
-        return {"object": "list", "data": [card]}
+        adapters = [{"id": name, "object": "model", "created": card["created"], "owned_by": "glm5", "root": path,
+                     "parent": state.model_name, "max_model_len": state.max_model_len}
+                    for name, path in state.async_engine.loras.items()]  # in load order, as vLLM lists them
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/health")
     async def health():
@@ -309,6 +317,29 @@ def _install_admin_routes(app: FastAPI, state: ServerState) -> None:
         except ValueError as e:  # nothing to roll back
             raise APIError(409, str(e), "invalid_request_error") from e
         return JSONResponse({"model_version": version, "rollback": True}, headers={"X-Model-Version": str(version)})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        name = body.lora_name
+        if name == state.model_name or name in state.async_engine.loras:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                           code="lora_name_in_use")
+        try:
+            await state.async_engine.lora_op("load", name, body.lora_path)
+        except (ValueError, OSError) as e:  # AdapterError names the key; nothing changed
+            raise APIError(400, f"lora_path: {e}", param="lora_path") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        name = body.lora_name
+        if name not in state.async_engine.loras:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error", "lora_name")
+        try:
+            await state.async_engine.lora_op("unload", name)
+        except ValueError as e:  # running requests use it
+            raise APIError(409, str(e), param="lora_name", code="lora_in_use") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/admin/experts")
     async def expert_versions(request: Request):

@@ -57,6 +57,7 @@ class _Pending:
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     infill: Any = None  # glm5.data.infilling.InfillLayout of a GLM blank-infilling request
+    lora: str | None = None  # the loaded adapter this request runs with (None = the base model)
     arrival: float = field(default_factory=time.monotonic)
     admitted: float = 0.0
     last_token_time: float = 0.0
@@ -90,6 +91,8 @@ class AsyncEngine:
         self._stop_timeout: float | None = None
         self._dead: BaseException | None = None
         self.versions: list[dict] = [{"version": self.model_version, "time": time.time(), "experts": []}]
+        # adapters the engine serves (name -> directory); changed only on the engine thread, between steps
+        self.loras: dict[str, str] = dict(getattr(engine, "list_loras", dict)())
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------------
@@ -122,15 +125,17 @@ class AsyncEngine:
         return dict(self._stats)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       infill=None) -> AsyncIterator[Any]:
+                       infill=None, lora: str | None = None) -> AsyncIterator[Any]:
         """Yield the engine's `RequestOutput`s for one request; abort it if the consumer goes away.
-        `infill`: the GLM blank-infilling layout of the prompt (see `LLMEngine.add_request`)."""
+        `infill`: the GLM blank-infilling layout of the prompt (see `LLMEngine.add_request`); `lora`: the
+        name of a loaded adapter to run it with."""
         reason = self.unavailable_reason()
         if reason is not None:
             raise EngineDead(reason)
         if self.num_waiting() >= self.max_waiting_requests:
             raise Overloaded(f"{self.num_waiting()} requests are waiting")
-        p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop(), infill)
+        p = _Pending(request_id, prompt_token_ids, params, asyncio.Queue(), asyncio.get_running_loop(), infill,
+                     lora)
         with self._count_lock:
             self._num_submitted += 1
         self._commands.put(("add", p))
@@ -152,6 +157,13 @@ class AsyncEngine:
         fut: Future = Future()
         self._commands.put(("swap", (updates, info, fut)))
         return await asyncio.wrap_future(fut)
+
+    async def lora_op(self, op: str, name: str, path: str | None = None) -> None:
+        """`engine.load_lora(name, path)` ("load") or `engine.unload_lora(name)` ("unload") on the engine
+        thread, between two steps (running requests keep going); the engine's ValueError comes back."""
+        fut: Future = Future()
+        self._commands.put(("lora", (op, name, path, fut)))
+        await asyncio.wrap_future(fut)
 
     def drain(self, grace_s: float) -> None:
         """Stop admitting now; requests still running after `grace_s` seconds are ended (non-blocking,
@@ -245,8 +257,26 @@ class AsyncEngine:
                 fut.set_exception(EngineDead(self.unavailable_reason()))
             else:
                 self._swaps.append(((updates, info), fut))
+        elif kind == "lora":
+            self._lora(*arg, fail=fail)
         elif kind == "stop" and self._stop_timeout is None:  # the first drain's grace period holds
             self._stopping, self._stop_timeout = True, float(arg)
+
+    def _lora(self, op: str, name: str, path: str | None, fut: Future, fail: BaseException | None) -> None:
+        if fail is not None:
+            fut.set_exception(EngineDead(self.unavailable_reason()))
+            return
+        try:
+            if op == "load":
+                self.engine.load_lora(name, path)
+                self.loras[name] = str(path)
+            else:
+                self.engine.unload_lora(name)
+                self.loras.pop(name, None)
+        except Exception as e:  # noqa: BLE001 - the engine validated before changing anything
+            fut.set_exception(e)
+            return
+        fut.set_result(None)
 
     def _abort(self, request_id: str) -> None:
         p = self._active.pop(request_id, None)
@@ -278,8 +308,9 @@ class AsyncEngine:
     def _admit(self) -> None:
         for p in self._next_batch():
             try:
+                lora = {"lora_name": p.lora} if p.lora is not None else {}
                 self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params,
-                                        infill=p.infill)
+                                        infill=p.infill, **lora)
             except (ValueError, TypeError) as e:  # the engine rejected this request: the client's 400
                 self._send(p, e)
                 continue

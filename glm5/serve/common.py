@@ -80,10 +80,13 @@ class ServerState:
         """The model's (rows of its logits): every token id a request carries must be below it."""
         return int(self.engine.model_config.vocab_size)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model",
-                           "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None = the base model); 404 for anything else."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.async_engine.loras:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 
 
 def max_tokens_for(state: ServerState, req: SamplingFields, prompt_len: int, requested: int | None) -> int:

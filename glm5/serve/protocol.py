@@ -258,6 +258,20 @@ class TokenizeRequest(OpenAIModel):
         return self
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's `POST /v1/load_lora_adapter` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's `POST /v1/unload_lora_adapter` body (`lora_int_id` accepted and ignored)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[int]

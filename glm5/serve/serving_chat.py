@@ -212,7 +212,7 @@ async def read_images(state: ServerState, req: ChatCompletionRequest) -> ChatCom
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     req = await read_images(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     new_messages = await _with_session(state, req, requested, request_id) if req.session_id is not None else None
@@ -227,7 +227,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if top_k is not None:
         extra["logprobs"] = top_k
     params = sampling_params(req, max_tokens, state, **extra)
-    stream = state.async_engine.generate(request_id, prompt_ids, params)
+    stream = state.async_engine.generate(request_id, prompt_ids, params, lora=lora)
     choices = [_Choice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
     try:
         first = await stream.__anext__()  # admission errors surface before any byte is sent

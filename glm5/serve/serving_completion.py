@@ -54,7 +54,7 @@ def _merge_logprobs(a: dict | None, b: dict) -> dict:
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request_id: str):
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     echo_only = req.max_tokens == 0
     if echo_only and not req.echo:
         raise APIError(400, "max_tokens: must be >= 1 unless echo=true", param="max_tokens")
@@ -74,7 +74,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request_
         extra.update(n=best_of, logprobs=extra.get("logprobs", 0))
     params = [sampling_params(req, mt, state, **extra) for mt in max_tokens]
     layouts = [ip.layout for ip in infills] if infills else [None] * len(prompts)
-    streams = [_generate(state, f"{request_id}-{i}", ids, p, layout, req.n)
+    streams = [_generate(state, f"{request_id}-{i}", ids, p, layout, req.n, lora)
                for i, (ids, p, layout) in enumerate(zip(prompts, params, layouts))]
     merged = merge_streams(streams)
     job = _Job(state, req, request_id, prompts, echo_only)
@@ -97,12 +97,15 @@ def _infill_prompts(state: ServerState, req: CompletionRequest) -> list[InfillPr
     return [infill_prompt_for(state, t, req.suffix, mt) for t in texts]
 
 
-async def _generate(state: ServerState, request_id: str, ids: list[int], params, infill, n: int):
+async def _generate(state: ServerState, request_id: str, ids: list[int], params, infill, n: int,
+                    lora: str | None = None):
     """The engine's outputs for one prompt: streamed, or (beam search) one final output with the n best."""
     if params.use_beam_search:
+        if lora is not None:
+            raise APIError(400, "use_beam_search: not available with a LoRA adapter model", param="use_beam_search")
         yield await beam_generate(state, request_id, ids, params, infill, num=n)
         return
-    async for out in state.async_engine.generate(request_id, ids, params, infill=infill):
+    async for out in state.async_engine.generate(request_id, ids, params, infill=infill, lora=lora):
         yield out
 
 

@@ -10,7 +10,8 @@ Two kinds of target, matching how PEFT adapts transformers' `GlmMoeDsaForCausalL
     `target_parameters`). Every reader of the parameter (grouped, reference, dense experts) sees it.
 s = alpha / r, or alpha / sqrt(r) with rsLoRA. B starts at zero, so a fresh adapter changes nothing.
 MTP layers (`model.layers.{>= num_hidden_layers}`) are never adapted: transformers has no MTP layer.
-PEFT file I/O lives in `peft_io.py`; this module knows no file formats.
+PEFT file I/O lives in `peft_adapter.py`; this module knows no file formats. It sits in `glm5.model` (not
+`glm5.finetune`) because training, the engine and the server all apply adapters.
 
 Dims: E experts, r rank, N tokens.
 """
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from glm5.model.moe import Experts
+from .moe import Experts
 
 # Target groups of `LoraConfig.targets`; each entry is a name suffix (PEFT's list matching:
 # the module/parameter name equals it or ends with "." + it).
@@ -88,7 +89,26 @@ def scaling(r: int, alpha: float, use_rslora: bool) -> float:
 
 
 # --- modules ------------------------------------------------------------------------------------------
-class LoRALinear(nn.Module):
+class WrappedLinear(nn.Module):
+    """A module standing in for the nn.Linear it keeps as `base_layer` (training LoRA here; the engine's
+    multi-adapter LoRA in glm5/infer/lora.py): still the same adapter target."""
+
+    base_layer: nn.Linear
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+
+class LoRALinear(WrappedLinear):
     """`base_layer(x) + scaling * lora_B(lora_A(dropout(x)))`; the base layer is frozen by the caller."""
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False):
@@ -114,18 +134,6 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The effective matrix W + s B A (for code that reads the weight instead of calling us)."""
         return self.base_layer.weight + self.delta_weight().to(self.base_layer.weight.dtype)
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def in_features(self) -> int:
-        return self.base_layer.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base_layer.out_features
 
 
 class ExpertLoRA(nn.Module):
@@ -165,7 +173,7 @@ def candidates(model: nn.Module) -> tuple[dict[str, nn.Linear], dict[str, tuple[
         layer = _layer_index(name)
         if layer is not None and layer >= n_main:
             continue
-        if isinstance(mod, LoRALinear):  # already adapted: still the same target
+        if isinstance(mod, WrappedLinear):  # already adapted: still the same target
             linears[name] = mod.base_layer
         elif isinstance(mod, nn.Linear) and not re.search(r"\.(lora_A|lora_B|base_layer)$", name):
             linears[name] = mod

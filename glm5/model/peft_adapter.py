@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 
 from glm5.core.io import LazyTensors, atomic_dir, atomic_write_json
 
-from .lora import Target, _layer_index, _matches, apply_lora, base_shape, candidates, lora_layers
+from .lora import Target, _layer_index, _matches, apply_lora, base_shape, candidates, lora_layers, scaling
 
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -205,44 +206,62 @@ def _read_checked(model: torch.nn.Module, path: Path) -> tuple[dict, dict, dict,
     return cfg, want, got, tensors
 
 
-@torch.no_grad()
-def _copy_weights(model: torch.nn.Module, want: dict, got: dict, tensors: LazyTensors) -> None:
-    layers = {(t.name, t.param): mod for t, mod in lora_layers(model)}
+@dataclass
+class AdapterWeights:
+    """One target's adapter in glm5's layout: A [r, in] / B [out, r] (experts: [E, r, in] / [E, out, r])."""
+
+    target: Target
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float
+
+
+def read_adapter(model: torch.nn.Module, path: str | Path) -> tuple[dict, list[AdapterWeights]]:
+    """A PEFT LoRA directory checked against `model` (nothing applied): (its config, per-target weights)."""
+    path = Path(path)
+    cfg, want, got, tensors = _read_checked(model, path)
+    rslora = bool(cfg.get("use_rslora", False))
+    parts: dict[Target, dict[str, torch.Tensor]] = {}
     for key, (t, which, _) in want.items():
-        mod = layers.get((t.name, t.param))
-        if mod is None or mod.r != t.r:
-            raise AdapterError(f"tensor {key!r}: the model's adapter has no such target (or another rank)")
         x = tensors.get(got[key])
-        if t.param is None:
-            dst = (mod.lora_A if which == "A" else mod.lora_B).weight
-        else:
-            dst = mod.lora_A if which == "A" else mod.lora_B
-            x = _from_peft(t, which, x, dst.shape[0])
-        dst.copy_(x.to(dst.dtype))
+        if t.param is not None:
+            x = _from_peft(t, which, x, getattr(model.get_submodule(t.name), t.param).shape[0])
+        parts.setdefault(t, {})[which] = x
+    return cfg, [AdapterWeights(t, p["A"], p["B"], scaling(t.r, t.alpha, rslora)) for t, p in parts.items()]
+
+
+@torch.no_grad()
+def _copy_weights(model: torch.nn.Module, weights: list[AdapterWeights]) -> None:
+    layers = {(t.name, t.param): mod for t, mod in lora_layers(model)}
+    for w in weights:
+        mod = layers.get((w.target.name, w.target.param))
+        if mod is None or mod.r != w.target.r:
+            raise AdapterError(f"{w.target.key!r}: the model's adapter has no such target (or another rank)")
+        dst_a, dst_b = (mod.lora_A.weight, mod.lora_B.weight) if w.target.param is None else (mod.lora_A, mod.lora_B)
+        dst_a.copy_(w.A.to(dst_a.dtype))
+        dst_b.copy_(w.B.to(dst_b.dtype))
 
 
 def load_adapter(model: torch.nn.Module, path: str | Path, dropout: float | None = None) -> list[Target]:
     """Read a PEFT LoRA directory and apply it to `model` (in place, base frozen). Everything is checked
     before the model is touched: a missing, unexpected or mis-shaped tensor raises naming it.
     `dropout` (for further training) defaults to the file's `lora_dropout`."""
-    path = Path(path)
-    cfg, want, got, tensors = _read_checked(model, path)
-    targets = list(dict.fromkeys(t for t, _, _ in want.values()))
+    cfg, weights = read_adapter(model, path)
+    targets = [w.target for w in weights]
     dropout = float(cfg.get("lora_dropout") or 0.0) if dropout is None else dropout
     apply_lora(model, targets, dropout=dropout, use_rslora=bool(cfg.get("use_rslora", False)))
-    _copy_weights(model, want, got, tensors)
+    _copy_weights(model, weights)
     return targets
 
 
 def copy_adapter_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Overwrite the weights of the adapter already applied to `model` (same targets and ranks) from
     `path`, keeping the parameter objects (an optimizer that holds them stays valid): training resume."""
-    path = Path(path)
-    _, want, got, tensors = _read_checked(model, path)
+    _, weights = read_adapter(model, path)
     have = {(t.name, t.param) for t, _ in lora_layers(model)}
-    if have != {(t.name, t.param) for t, _, _ in want.values()}:
+    if have != {(w.target.name, w.target.param) for w in weights}:
         raise AdapterError(f"{path}: its targets differ from the adapter being trained")
-    _copy_weights(model, want, got, tensors)
+    _copy_weights(model, weights)
 
 
 def adapter_state(model: torch.nn.Module) -> tuple[list[Target], dict[str, torch.Tensor]]:
@@ -317,3 +336,65 @@ def save_adapter(model: torch.nn.Module, path: str | Path, base_model_name_or_pa
     with atomic_dir(path) as tmp:
         write_adapter(model, tmp, base_model_name_or_path)
     return path
+
+
+# --- MLA latent prefix (glm5's own format; see glm5/finetune/prefix.py and docs/finetune.md) ------------
+PREFIX_PEFT_TYPE = "GLM5_MLA_PREFIX"
+
+
+def prefix_config(cfg, num_tokens: int, base_model_name_or_path: str = "") -> dict:
+    """`adapter_config.json` of a latent prefix for a model with config `cfg`."""
+    return {"peft_type": PREFIX_PEFT_TYPE, "base_model_name_or_path": base_model_name_or_path,
+            "num_virtual_tokens": num_tokens, "num_layers": cfg.num_hidden_layers,
+            "kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "index_head_dim": cfg.index_head_dim,
+            "position_offset": "real tokens start at position num_virtual_tokens"}
+
+
+def write_prefix_files(directory: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    atomic_write_json(directory / CONFIG_FILE, config)
+
+
+def read_prefix(cfg, path: str | Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """A latent prefix for a model with config `cfg`, checked: -> (P, {"prefix.layers.{i}.latent" [P, R],
+    ".rope_key" [P, rope], ".index_key" [P, D] on full-indexer layers}). Errors name the key or tensor."""
+    path = Path(path)
+    meta = read_adapter_config(path)
+    if meta.get("peft_type") != PREFIX_PEFT_TYPE:
+        raise AdapterError(f"{path}/{CONFIG_FILE}: peft_type {meta.get('peft_type')!r} is not {PREFIX_PEFT_TYPE!r}")
+    P = int(meta["num_virtual_tokens"])
+    for key, want in (("num_layers", cfg.num_hidden_layers), ("kv_lora_rank", cfg.kv_lora_rank),
+                      ("qk_rope_head_dim", cfg.qk_rope_head_dim)):
+        if int(meta.get(key, -1)) != want:
+            raise AdapterError(f"{path}/{CONFIG_FILE}: {key} = {meta.get(key)} but the model has {want}")
+    expected = {}
+    for i in range(cfg.num_hidden_layers):
+        expected[f"prefix.layers.{i}.latent"] = [P, cfg.kv_lora_rank]
+        expected[f"prefix.layers.{i}.rope_key"] = [P, cfg.qk_rope_head_dim]
+        if cfg.indexer_types[i] == "full":
+            expected[f"prefix.layers.{i}.index_key"] = [P, cfg.index_head_dim]
+    tensors = LazyTensors([path / WEIGHTS_FILE])
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise AdapterError(f"{path}/{WEIGHTS_FILE}: missing tensor {key!r}")
+        if list(tensors.shape(key)) != shape:
+            raise AdapterError(f"{path}/{WEIGHTS_FILE}: tensor {key!r} has shape {tensors.shape(key)}, "
+                               f"expected {shape}")
+    extra = sorted(set(tensors.keys()) - set(expected))
+    if extra:
+        raise AdapterError(f"{path}/{WEIGHTS_FILE}: unexpected tensor(s) {extra[:5]}")
+    return P, {k: tensors.get(k) for k in expected}
+
+
+def adapter_kind(path: str | Path) -> str:
+    """"lora" or "prefix", from the directory's adapter_config.json (pickle-only adapters refused)."""
+    meta = read_adapter_config(Path(path))
+    kind = {"LORA": "lora", PREFIX_PEFT_TYPE: "prefix"}.get(meta.get("peft_type", "LORA"))
+    if kind is None:
+        raise AdapterError(f"{path}/{CONFIG_FILE}: peft_type {meta.get('peft_type')!r} is not supported "
+                           f"(LORA or {PREFIX_PEFT_TYPE})")
+    return kind

@@ -1,0 +1,260 @@
+"""Multi-LoRA serving (S-LoRA / Punica style): many PEFT adapters and the base model in one batch.
+
+`LoRAManager` owns `max_loras` adapter slots. Loading an adapter (checked against the served model by
+`glm5.model.peft_adapter.read_adapter`) writes its A/B matrices into per-target stacks, zero-padded to
+`max_lora_rank` with the scale folded into B, swapping the targeted modules on first use:
+  * called nn.Linear modules -> `MultiLoRALinear`: y = W x, then for every adapter slot s present in the
+    batch, rows of slot s get + B_s (A_s x) (one gather / matmul pair / index_add per active slot);
+  * `kv_b_proj`, read as a matrix by absorbed MLA, -> the attention gets `MultiLoRAAttention`, whose
+    `absorb_q` / `latent_to_output` add the per-row low-rank terms (q . (W_uk + B A) = q . W_uk + (q B) A);
+  * routed experts -> `MultiLoRAExperts`: the expert loop with per-row adapter terms inside each expert.
+Which rows use which slot comes from the model's own attention metadata (`AttnMetadata.adapter_ids`,
+-1 = base; the runner fills it from each request's adapter): a forward pre-hook copies it into the
+`AdapterBatch` the swapped modules read, and clears it after the forward. Without metadata (training,
+`generate_greedy`) every row is the base model. The MTP layer and lm_head are never adapted, and
+`indexer.weights_proj` (read as a matrix inside the indexer) cannot take per-row adapters: such adapters
+are refused by name; serve them merged (`glm5 merge`).
+
+Dims: N flat tokens, S slots, R max_lora_rank, E experts, H heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5.model.attention import MLAttention
+from glm5.model.lora import WrappedLinear
+from glm5.model.moe import Experts, sort_by_expert
+from glm5.model.peft_adapter import AdapterError, AdapterWeights, read_adapter
+
+UNSERVABLE = ("indexer.weights_proj", "lm_head")  # read as matrices, or shared with MTP: merge instead
+
+
+@dataclass
+class AdapterBatch:
+    """The slot of every flat token of the running forward (None = no adapters in this forward)."""
+
+    ids: torch.Tensor | None = None  # [N] slot per token, -1 = base
+    active: list[int] = field(default_factory=list)  # slots present in `ids`
+
+    def rows(self, slot: int) -> torch.Tensor:
+        return (self.ids == slot).nonzero()[:, 0]
+
+
+class MultiLoRALinear(WrappedLinear):
+    """base_layer(x) + per-row B_s A_s x for the slot s of each row (`lora_A` [S, R, in], `lora_B`
+    [S, out, R], scale folded into B; an unused slot is zeros)."""
+
+    def __init__(self, base: nn.Linear, batch: AdapterBatch, num_slots: int, rank: int):
+        super().__init__()
+        self.base_layer, self.batch = base, batch
+        w = base.weight
+        self.register_buffer("lora_A", torch.zeros(num_slots, rank, w.shape[1], dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_B", torch.zeros(num_slots, w.shape[0], rank, dtype=w.dtype, device=w.device))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight  # matrix readers see the base (kv_b_proj: MultiLoRAAttention adds rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        ids = self.batch.ids
+        if ids is None:
+            return y
+        xf, yf = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [N, in], [N, out] (views)
+        if xf.shape[0] != ids.shape[0]:
+            raise RuntimeError(f"multi-LoRA: {xf.shape[0]} rows but {ids.shape[0]} adapter ids")
+        for s in self.batch.active:
+            rows = self.batch.rows(s)
+            yf.index_add_(0, rows, (xf[rows] @ self.lora_A[s].T) @ self.lora_B[s].T)
+        return y
+
+
+class MultiLoRAAttention(MLAttention):
+    """Absorbed MLA with per-row `kv_b_proj` adapters (class swap; see the module docstring). The
+    adapter stacks live on the `kv_b_proj` MultiLoRALinear."""
+
+    def _kvb_lora(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> A [R, kv_rank], B_uk [H, E, R], B_uv [H, V, R] of one slot."""
+        kvb = self.kv_b_proj
+        B = kvb.lora_B[slot].view(self.n_heads, self.nope + self.v_dim, -1)  # [H, E+V, R]
+        return kvb.lora_A[slot], B[:, : self.nope], B[:, self.nope:]
+
+    def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
+        out = super().absorb_q(q_nope)  # [.., H, kv_rank]
+        batch = self.kv_b_proj.batch
+        if batch.ids is None:
+            return out
+        q, o = q_nope.reshape(-1, *q_nope.shape[-2:]), out.reshape(-1, *out.shape[-2:])  # [N, H, E], [N, H, K]
+        for s in batch.active:
+            rows = batch.rows(s)
+            A, B_uk, _ = self._kvb_lora(s)
+            t = torch.einsum("nhe,her->nhr", q[rows], B_uk)  # (q B_uk)
+            o.index_add_(0, rows, t @ A)  # [n, H, kv_rank]
+        return out
+
+    def latent_to_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        _, w_uv = self._kv_b()
+        o = torch.einsum("...hr,hvr->...hv", o_lat, w_uv)  # [.., H, V] (as the base class)
+        batch = self.kv_b_proj.batch
+        if batch.ids is not None:
+            lat, of = o_lat.reshape(-1, *o_lat.shape[-2:]), o.reshape(-1, *o.shape[-2:])
+            for s in batch.active:
+                rows = batch.rows(s)
+                A, _, B_uv = self._kvb_lora(s)
+                of.index_add_(0, rows, torch.einsum("nhr,hvr->nhv", lat[rows] @ A.T, B_uv))
+        return self.o_proj(o.flatten(-2))
+
+
+class MultiLoRAExperts(Experts):
+    """Routed experts with per-row adapters (class swap). Stacks per fused weight: `lora_A_<p>`
+    [S, E, R, in], `lora_B_<p>` [S, E, out, R] for p in gate_up_proj, down_proj."""
+
+    batch: AdapterBatch
+
+    def forward(self, x, idx, weights, keep=None):
+        ids = self.batch.ids
+        if ids is None:
+            return super().forward(x, idx, weights, keep)
+        order, token, counts = sort_by_expert(idx, self.n_experts, keep)
+        xs, slots = x[token], ids[token]  # [M, H], [M]
+        gu, dn = self.gate_up_proj, self.down_proj
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                xe, se = xs[start:start + n], slots[start:start + n]
+                h = self._lora(F.linear(xe, gu[e]), xe, se, e, "gate_up_proj")
+                gate, up = h.chunk(2, dim=-1)
+                a = F.silu(gate) * up
+                outs.append(self._lora(F.linear(a, dn[e]), a, se, e, "down_proj"))
+                start += n
+        ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, e: int, param: str) -> torch.Tensor:
+        A, B = getattr(self, f"lora_A_{param}", None), getattr(self, f"lora_B_{param}", None)
+        if A is None:
+            return y
+        for s in self.batch.active:
+            rows = (slots == s).nonzero()[:, 0]
+            if rows.numel():
+                y = y.index_add(0, rows, (x[rows] @ A[s, e].T) @ B[s, e].T)
+        return y
+
+
+class LoRAManager:
+    """The engine's adapter slots (see the module docstring). Not thread-safe: call between steps."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int):
+        if max_loras < 1 or max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        self.model, self.num_slots, self.rank = model, max_loras, max_lora_rank
+        self.batch = AdapterBatch()
+        self.slots: dict[str, int] = {}  # name -> slot
+        self.paths: dict[str, str] = {}
+        self.versions: dict[str, int] = {}  # name -> load counter (prefix-cache salt)
+        self._loads = 0
+        model.register_forward_pre_hook(self._before, with_kwargs=True)
+        model.register_forward_hook(self._after)
+
+    # ---- forward hooks: the adapter of every flat token comes from the attention metadata ----------
+    def _before(self, module, args, kwargs) -> None:
+        meta = kwargs.get("attn_metadata")
+        ids = None if meta is None else meta.adapter_ids
+        self.batch.ids = ids
+        self.batch.active = [] if ids is None else [int(s) for s in torch.unique(ids).tolist() if s >= 0]
+
+    def _after(self, module, args, output) -> None:
+        self.batch.ids, self.batch.active = None, []
+
+    # ---- loading ------------------------------------------------------------------------------------
+    def load(self, name: str, path: str | Path) -> int:
+        """Load the PEFT adapter in `path` as `name`; -> its slot. Errors (AdapterError / ValueError) name
+        the problem; nothing changes on error."""
+        if name in self.slots:
+            raise ValueError(f"an adapter named {name!r} is already loaded (unload it first)")
+        free = sorted(set(range(self.num_slots)) - set(self.slots.values()))
+        if not free:
+            raise ValueError(f"all {self.num_slots} adapter slots are in use (engine max_loras); unload one first")
+        _, weights = read_adapter(self.model, path)
+        self._check(weights, path)
+        slot = free[0]
+        for w in weights:
+            self._write(slot, w)
+        self._loads += 1
+        self.slots[name], self.paths[name], self.versions[name] = slot, str(path), self._loads
+        return slot
+
+    def unload(self, name: str) -> None:
+        slot = self.slots.pop(name)
+        self.paths.pop(name)
+        self.versions.pop(name)
+        for mod in self.model.modules():
+            for buf_name, buf in mod.named_buffers(recurse=False):
+                if buf_name.startswith("lora_"):
+                    buf[slot].zero_()
+
+    def _check(self, weights: list[AdapterWeights], path) -> None:
+        for w in weights:
+            t = w.target
+            if t.name.endswith(UNSERVABLE):
+                raise AdapterError(f"{path}: target {t.key!r} cannot take per-request adapters in the engine "
+                                   "(read as a matrix or shared with MTP); serve the merged model (glm5 merge)")
+            if t.r > self.rank:
+                raise AdapterError(f"{path}: target {t.key!r} has rank {t.r} > the engine's max_lora_rank "
+                                   f"{self.rank}")
+            mod = self.model.get_submodule(t.name)
+            if t.param is not None and not isinstance(mod, Experts):
+                raise AdapterError(f"{path}: target {t.key!r} needs the routed experts resident in full precision "
+                                   f"(they are {type(mod).__name__}: INT8 or offloaded)")
+
+    @torch.no_grad()
+    def _write(self, slot: int, w: AdapterWeights) -> None:
+        t, r = w.target, w.target.r
+        if t.param is None:
+            mod = self._linear(t.name)
+            mod.lora_A[slot].zero_()
+            mod.lora_B[slot].zero_()
+            mod.lora_A[slot, :r] = w.A.to(mod.lora_A.dtype)
+            mod.lora_B[slot, :, :r] = (w.B * w.scaling).to(mod.lora_B.dtype)
+        else:
+            mod = self._experts(t.name)
+            A, B = self._expert_stacks(mod, t.param)
+            A[slot].zero_()
+            B[slot].zero_()
+            A[slot, :, :r] = w.A.to(A.dtype)
+            B[slot, :, :, :r] = (w.B * w.scaling).to(B.dtype)
+
+    def _linear(self, name: str) -> MultiLoRALinear:
+        """The module at `name` as a MultiLoRALinear (swapped in on first use)."""
+        mod = self.model.get_submodule(name)
+        if isinstance(mod, MultiLoRALinear):
+            return mod
+        parent_name, _, child = name.rpartition(".")
+        parent = self.model.get_submodule(parent_name)
+        new = MultiLoRALinear(mod, self.batch, self.num_slots, self.rank)
+        setattr(parent, child, new)
+        if child == "kv_b_proj" and isinstance(parent, MLAttention):
+            parent.__class__ = MultiLoRAAttention  # absorbed MLA reads kv_b_proj as a matrix
+        return new
+
+    def _experts(self, name: str) -> MultiLoRAExperts:
+        mod = self.model.get_submodule(name)
+        if not isinstance(mod, MultiLoRAExperts):
+            mod.__class__ = MultiLoRAExperts
+            mod.batch = self.batch
+        return mod
+
+    def _expert_stacks(self, mod: MultiLoRAExperts, param: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if not hasattr(mod, f"lora_A_{param}"):
+            E, out_f, in_f = getattr(mod, param).shape
+            w = getattr(mod, param)
+            mod.register_buffer(f"lora_A_{param}", w.new_zeros(self.num_slots, E, self.rank, in_f))
+            mod.register_buffer(f"lora_B_{param}", w.new_zeros(self.num_slots, E, out_f, self.rank))
+        return getattr(mod, f"lora_A_{param}"), getattr(mod, f"lora_B_{param}")
