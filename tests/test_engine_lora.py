@@ -75,7 +75,8 @@ def test_load_unload_and_misuse(dirs, tmp_path):
         engine.load_lora("a", dirs / "b")
     with pytest.raises(ValueError, match="no adapter named 'zz'"):
         engine.add_request("x", prompt_token_ids=prompt, params=params, lora_name="zz")
-    assert engine.load_lora("b", dirs / "b") == 1
+    engine.load_lora("b", dirs / "b")
+    assert engine.loras.slots == {"a": 0, "b": 1}
     with pytest.raises(ValueError, match="all 2 adapter slots"):
         engine.load_lora("c", dirs / "c")
     engine.add_request("busy", prompt_token_ids=prompt, params=params, lora_name="b")

@@ -95,3 +95,13 @@ def test_adapters_as_models_and_runtime_loading(live):
         client.completions.create(model="poet", prompt=PROMPT, max_tokens=2)
     assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=6, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text == outs[1]
+
+
+def test_cli_lora_flags():
+    from glm5.cli.serve import parse_args
+    from glm5.core.config import ConfigError
+
+    engine_cfg, _ = parse_args(["--model", "m", "--lora", "sql=/a/b", "--lora", "poet=/c", "--max-loras", "4"])
+    assert engine_cfg.lora_modules == {"sql": "/a/b", "poet": "/c"} and engine_cfg.max_loras == 4
+    with pytest.raises(ConfigError, match="expected NAME=DIR"):
+        parse_args(["--model", "m", "--lora", "nodir"])

@@ -3,8 +3,10 @@
 `LoRAManager` owns `max_loras` adapter slots. Loading an adapter (checked against the served model by
 `glm5.model.peft_adapter.read_adapter`) writes its A/B matrices into per-target stacks, zero-padded to
 `max_lora_rank` with the scale folded into B, swapping the targeted modules on first use:
-  * called nn.Linear modules -> `MultiLoRALinear`: y = W x, then for every adapter slot s present in the
-    batch, rows of slot s get + B_s (A_s x) (one gather / matmul pair / index_add per active slot);
+  * called nn.Linear modules -> `MultiLoRALinear`: y = W x + B_s (A_s x) with s the row's slot. Few rows
+    (decode): every row gathers its own A/B and two batched matmuls do all rows (Punica's BGMV); many rows
+    (prefill): one gather / matmul pair / index_add per adapter present (S-LoRA's segments). The base
+    rows point at an extra all-zero slot, so no masking is needed;
   * `kv_b_proj`, read as a matrix by absorbed MLA, -> the attention gets `MultiLoRAAttention`, whose
     `absorb_q` / `latent_to_output` add the per-row low-rank terms (q . (W_uk + B A) = q . W_uk + (q B) A);
   * routed experts -> `MultiLoRAExperts`: the expert loop with per-row adapter terms inside each expert.
@@ -35,15 +37,25 @@ from glm5.model.peft_adapter import AdapterError, AdapterWeights, read_adapter
 UNSERVABLE = ("indexer.weights_proj", "lm_head")  # read as matrices, or shared with MTP: merge instead
 
 
+GATHER_ROWS = 64  # up to this many rows, gather per-row adapters (BGMV); above, loop over adapters (segments)
+
+
 @dataclass
 class AdapterBatch:
     """The slot of every flat token of the running forward (None = no adapters in this forward)."""
 
     ids: torch.Tensor | None = None  # [N] slot per token, -1 = base
+    gather_ids: torch.Tensor | None = None  # [N] the same with -1 -> the all-zero slot (index num_slots)
     active: list[int] = field(default_factory=list)  # slots present in `ids`
 
     def rows(self, slot: int) -> torch.Tensor:
         return (self.ids == slot).nonzero()[:, 0]
+
+
+def lowrank_rows(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Per-row B[s] (A[s] x) for rows x [n, in] with slots [n] into stacks A [S+1, R, in], B [S+1, out, R]."""
+    t = torch.bmm(A[slots], x[:, :, None])  # [n, R, 1]
+    return torch.bmm(B[slots], t)[:, :, 0]  # [n, out]
 
 
 class MultiLoRALinear(WrappedLinear):
@@ -54,8 +66,9 @@ class MultiLoRALinear(WrappedLinear):
         super().__init__()
         self.base_layer, self.batch = base, batch
         w = base.weight
-        self.register_buffer("lora_A", torch.zeros(num_slots, rank, w.shape[1], dtype=w.dtype, device=w.device))
-        self.register_buffer("lora_B", torch.zeros(num_slots, w.shape[0], rank, dtype=w.dtype, device=w.device))
+        # num_slots + 1: the last slot stays zero and stands for the base model in gathers
+        self.register_buffer("lora_A", torch.zeros(num_slots + 1, rank, w.shape[1], dtype=w.dtype, device=w.device))
+        self.register_buffer("lora_B", torch.zeros(num_slots + 1, w.shape[0], rank, dtype=w.dtype, device=w.device))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -69,6 +82,9 @@ class MultiLoRALinear(WrappedLinear):
         xf, yf = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [N, in], [N, out] (views)
         if xf.shape[0] != ids.shape[0]:
             raise RuntimeError(f"multi-LoRA: {xf.shape[0]} rows but {ids.shape[0]} adapter ids")
+        if xf.shape[0] <= GATHER_ROWS:
+            yf += lowrank_rows(xf, self.lora_A, self.lora_B, self.batch.gather_ids)
+            return y
         for s in self.batch.active:
             rows = self.batch.rows(s)
             yf.index_add_(0, rows, (xf[rows] @ self.lora_A[s].T) @ self.lora_B[s].T)
@@ -122,7 +138,7 @@ class MultiLoRAExperts(Experts):
         if ids is None:
             return super().forward(x, idx, weights, keep)
         order, token, counts = sort_by_expert(idx, self.n_experts, keep)
-        xs, slots = x[token], ids[token]  # [M, H], [M]
+        xs, slots = x[token], self.batch.gather_ids[token]  # [M, H], [M] (base rows: the zero slot)
         gu, dn = self.gate_up_proj, self.down_proj
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
@@ -138,9 +154,12 @@ class MultiLoRAExperts(Experts):
         return torch.zeros_like(x).index_add_(0, token, ys)
 
     def _lora(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, e: int, param: str) -> torch.Tensor:
+        """y [n, out] + each row's adapter term for expert e (rows x [n, in], slots [n])."""
         A, B = getattr(self, f"lora_A_{param}", None), getattr(self, f"lora_B_{param}", None)
         if A is None:
             return y
+        if x.shape[0] <= GATHER_ROWS:
+            return y + lowrank_rows(x, A[:, e], B[:, e], slots)
         for s in self.batch.active:
             rows = (slots == s).nonzero()[:, 0]
             if rows.numel():
@@ -168,10 +187,11 @@ class LoRAManager:
         meta = kwargs.get("attn_metadata")
         ids = None if meta is None else meta.adapter_ids
         self.batch.ids = ids
+        self.batch.gather_ids = None if ids is None else torch.where(ids < 0, self.num_slots, ids)
         self.batch.active = [] if ids is None else [int(s) for s in torch.unique(ids).tolist() if s >= 0]
 
     def _after(self, module, args, output) -> None:
-        self.batch.ids, self.batch.active = None, []
+        self.batch.ids, self.batch.gather_ids, self.batch.active = None, None, []
 
     # ---- loading ------------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path) -> int:
@@ -255,6 +275,6 @@ class LoRAManager:
         if not hasattr(mod, f"lora_A_{param}"):
             E, out_f, in_f = getattr(mod, param).shape
             w = getattr(mod, param)
-            mod.register_buffer(f"lora_A_{param}", w.new_zeros(self.num_slots, E, self.rank, in_f))
-            mod.register_buffer(f"lora_B_{param}", w.new_zeros(self.num_slots, E, out_f, self.rank))
+            mod.register_buffer(f"lora_A_{param}", w.new_zeros(self.num_slots + 1, E, self.rank, in_f))
+            mod.register_buffer(f"lora_B_{param}", w.new_zeros(self.num_slots + 1, E, out_f, self.rank))
         return getattr(mod, f"lora_A_{param}"), getattr(mod, f"lora_B_{param}")

@@ -1,0 +1,171 @@
+"""Fine-tuning benchmarks (issue 9), on the trained quickstart model (`glm5 quickstart` -> runs/tiny/final).
+
+  python bench/finetune.py sft   --base runs/tiny/final [--steps 60 --minutes 1.5]
+      SFT on the bundled chat set: held-out assistant-token loss of the base, LoRA, prefix tuning and full
+      fine-tuning (8-bit AdamW, and fp32 AdamW as the optimizer peer), with trainable parameters,
+      optimizer-state bytes, peak RSS and training tokens/s; each method in its own process.
+  python bench/finetune.py serve --base runs/tiny/final [--adapter runs/finetune-lora/final]
+      Multi-LoRA serving: the same requests (greedy, fixed length) spread over 4 adapters in one batch vs
+      all on the base model; output tokens/s, alternated rounds, median.
+
+Results go to stdout as JSON lines; BENCHMARKS.md has the numbers with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+METHODS = {  # name -> config overrides
+    "base": ["--method=lora", "--train.steps=1"],  # evaluated before any step: B = 0 is the base model
+    "lora": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]'],
+    "prefix": ["--method=prefix", "--data.pack=false", "--prefix.num_virtual_tokens=16"],
+    "full_8bit": ["--method=full", "--optim.name=adamw8bit", "--precision.activation_checkpointing=true"],
+    "full_fp32adamw": ["--method=full", "--optim.name=adamw", "--precision.activation_checkpointing=true"],
+}
+
+
+def _state_bytes(opt) -> int:
+    seen = {t.untyped_storage().data_ptr(): t for s in opt.state.values() for t in s.values()
+            if hasattr(t, "untyped_storage") and t.numel() > 1}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def child_sft(a) -> dict:
+    import torch
+
+    from glm5.core.config import load_config
+    from glm5.finetune.config import FinetuneConfig
+    from glm5.finetune.trainer import FinetuneTrainer
+
+    torch.set_num_threads(a.threads) if a.threads else None
+    run = Path(tempfile.mkdtemp(prefix=f"glm5-bench-ft-{a.method}-"))
+    cfg = load_config(FinetuneConfig, "configs/finetune/lora.toml", [
+        f"--model.name={a.base}", f"--train.steps={a.steps}", f"--train.time_limit_min={a.minutes}",
+        f"--data.batch_size={a.batch}", f"--data.seq_len={a.seq}", f"--log.run_dir={run}", "--log.progress=false",
+        "--log.measure_peak=false", "--checkpoint.every=0", "--checkpoint.at_exit=false",
+        f"--log.eval_batches={a.eval_batches}", *METHODS[a.method]])
+    trainer = FinetuneTrainer(cfg)
+    report = trainer.raw_model.trainable_report()
+    if a.method == "base":
+        val = trainer.evaluate()
+        return {"method": a.method, "heldout_loss": val["val_loss"], "heldout_tokens": val["val_tokens"],
+                "peak_rss_mb": _peak_rss_mb()}
+    t0 = time.perf_counter()
+    summary = trainer.fit()
+    wall = time.perf_counter() - t0
+    tps = [h["tokens_per_s"] for h in trainer.history[1:]]
+    return {"method": a.method, "heldout_loss": summary["val_loss"], "steps": trainer.step, "train_s": round(wall, 1),
+            "tokens_per_s": round(statistics.median(tps), 1) if tps else None,
+            "final_train_loss": trainer.history[-1]["loss"], **report,
+            "optimizer_state_bytes": _state_bytes(trainer.optimizer), "lr": cfg.resolved_lr() if cfg.optim.lr == 0
+            else cfg.optim.lr, "peak_rss_mb": _peak_rss_mb()}
+
+
+def _peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def run_sft(a) -> None:
+    for method in METHODS:
+        cmd = [sys.executable, __file__, "child-sft", "--method", method, *_pass(a)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
+        print(line or json.dumps({"method": method, "error": out.stderr[-2000:]}), flush=True)
+
+
+def _pass(a) -> list[str]:
+    return ["--base", a.base, "--steps", str(a.steps), "--minutes", str(a.minutes), "--batch", str(a.batch),
+            "--seq", str(a.seq), "--eval-batches", str(a.eval_batches), "--threads", str(a.threads)]
+
+
+# ---- multi-LoRA serving --------------------------------------------------------------------------------
+def make_adapters(base: str, trained: str | None, root: Path, n: int = 4) -> dict[str, str]:
+    """`n` adapters on `base`: the trained one (if given) plus random-B ones with the same targets and rank."""
+    import torch
+
+    from glm5.finetune.adapters import from_pretrained
+    from glm5.model import lora
+
+    out = {}
+    if trained:
+        out["trained"] = trained
+    k = 0
+    while len(out) < n:
+        m = from_pretrained(base)
+        m.add_lora(lora.LoraConfig(r=16, alpha=32, targets=["attn", "mlp", "experts"]))
+        torch.manual_seed(k)
+        with torch.no_grad():
+            for t, mod in lora.lora_layers(m):
+                (mod.lora_B.weight if t.param is None else mod.lora_B).normal_(0, 0.02)
+        m.save_adapter(root / f"rand{k}")
+        out[f"rand{k}"] = str(root / f"rand{k}")
+        k += 1
+    return out
+
+
+def run_serve(a) -> None:
+    from glm5 import LLM, SamplingParams
+    from glm5.core.resources import bundled
+    from glm5.data.sft import read_chat_jsonl
+
+    root = Path(tempfile.mkdtemp(prefix="glm5-bench-mlora-"))
+    adapters = make_adapters(a.base, a.adapter, root)
+    llm = LLM(a.base, device="cpu", max_model_len=1024, max_loras=len(adapters), lora=adapters,
+              max_num_seqs=a.requests, enable_prefix_caching=False)
+    tok = llm.tokenizer
+    convs = read_chat_jsonl(bundled("sft/heldout.jsonl.gz"))[: a.requests]
+    prompts = [tok.apply_chat_template(c.messages[:1], add_generation_prompt=True)[:256] for c in convs]
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    names = list(adapters)
+    mixed = [names[i % len(names)] for i in range(len(prompts))]
+    llm.generate(prompts[:4], params, lora=mixed[:4])  # warm-up
+    rates = {"base": [], "mixed": []}
+    for r in range(a.rounds):
+        for kind in (("base", "mixed") if r % 2 == 0 else ("mixed", "base")):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, lora=None if kind == "base" else mixed)
+            dt = time.perf_counter() - t
+            rates[kind].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    base, mix = statistics.median(rates["base"]), statistics.median(rates["mixed"])
+    print(json.dumps({"bench": "multi_lora_serving", "requests": len(prompts), "max_tokens": a.max_tokens,
+                      "adapters": len(names), "base_tok_s": round(base, 1), "mixed_tok_s": round(mix, 1),
+                      "ratio": round(mix / base, 3), "rounds": rates, "load_avg": os.getloadavg()}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["sft", "serve", "child-sft"])
+    ap.add_argument("--base", default="runs/tiny/final")
+    ap.add_argument("--adapter", default=None, help="a trained LoRA adapter to serve among the 4")
+    ap.add_argument("--method", default="lora")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--minutes", type=float, default=1.5, help="time limit per method (LR annealed by time)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--eval-batches", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if a.what == "child-sft":
+        print(json.dumps(child_sft(a)))
+    elif a.what == "sft":
+        print(json.dumps({"load_avg": os.getloadavg()}))
+        run_sft(a)
+    else:
+        run_serve(a)
+
+
+if __name__ == "__main__":
+    main()
