@@ -131,3 +131,11 @@ def test_bundled_set_is_licensed_bilingual_and_split_by_document(tok):
     for path in (bundled("sft/heldout.jsonl.gz"),):  # every line renders with the bundled tokenizer
         docs = sft.encode_file(tok, path)
         assert all(m.any() for _, m in docs)
+
+
+def test_bundled_set_rebuilds_byte_for_byte(tmp_path):
+    from glm5.data import sft_corpus
+
+    sft_corpus.build(bundled("corpus"), tmp_path)
+    for name in ("train.jsonl.gz", "heldout.jsonl.gz", "PROVENANCE.md"):
+        assert (tmp_path / name).read_bytes() == bundled(f"sft/{name}").read_bytes(), name
