@@ -17,12 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from glm5.model.kv_cache import LatentKVCache
 from glm5.model.peft_adapter import read_prefix
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .input_batch import slots_for
 from .request import Request
 from .sampling import SamplingParams
 
@@ -59,7 +60,9 @@ class PrefixAdapters:
         holder = Request(f"prefix-adapter:{name}", [PLACEHOLDER_ID] * P, SamplingParams(max_tokens=1), cache_salt=salt)
         if self.block_manager.allocate_slots(holder, P) is None:
             raise ValueError(f"not enough free KV blocks to hold the {P}-entry prefix {name!r}")
-        slots = slots_for(holder.block_ids, 0, P, c.block_size).to(self.cache.latent[0].device)
+        pos = torch.arange(P)
+        table = torch.as_tensor(holder.block_ids, dtype=torch.long)
+        slots = (table[pos // c.block_size] * c.block_size + pos % c.block_size).to(self.cache.latent[0].device)
         for i in range(self.model_config.num_hidden_layers):
             index_k = tensors.get(f"prefix.layers.{i}.index_key")
             self.cache.write(i, slots, tensors[f"prefix.layers.{i}.latent"], tensors[f"prefix.layers.{i}.rope_key"],
