@@ -106,6 +106,25 @@ def test_logprobs_match_log_softmax(model, prompts):
         assert abs(pl[t][p[t]].logprob - ref[t - 1, p[t]].item()) < 1e-4
 
 
+def test_logprob_token_ids_equal_the_whole_vocabulary_entries(model, prompts):
+    """Only the requested ids come back (plus the sampled token), with the values and ranks that a
+    whole-vocabulary request (logprobs=-1) gives them, at every output position."""
+    want = [5, 77, 300]
+    outs = {}
+    for name, params in (("ids", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprob_token_ids=want)),
+                         ("all", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1))):
+        engine = make_engine(model)
+        engine.add_request(name, prompt_token_ids=prompts[1], params=params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[name] = out.outputs[0]
+    assert outs["ids"].token_ids == outs["all"].token_ids
+    for tok, got, full in zip(outs["ids"].token_ids, outs["ids"].logprobs, outs["all"].logprobs):
+        assert list(got)[0] == tok and set(got) == {tok, *want}
+        for t in got:
+            assert got[t].logprob == pytest.approx(full[t].logprob, abs=1e-5) and got[t].rank == full[t].rank
+
+
 def test_seeded_sampling_independent_of_batch(model, prompts):
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=123, max_tokens=8, ignore_eos=True)
     alone = run_all(make_engine(model), [prompts[1]], params)[0]

@@ -113,3 +113,23 @@ def test_drafts_equal_model_mtp_head(model):
         assert req.spec_token_ids[0] == int(mtp.argmax())
         checked += 1
     assert checked >= 3
+
+
+def test_logprob_token_ids_with_drafts_equal_plain_decoding(model):
+    """Requested-id logprobs on verified draft rows equal those of plain (draft-free) decoding."""
+    want = [3, 40, 200]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprob_token_ids=want)
+    got = []
+    for k in (0, 2):
+        engine = make(model, k)
+        engine.add_request("a", prompt_token_ids=PROMPTS[0], params=params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                last = o.outputs[0]
+        got.append(last)
+    plain, spec = got
+    assert plain.token_ids == spec.token_ids and len(spec.logprobs) == 8
+    for tok, a, b in zip(spec.token_ids, plain.logprobs, spec.logprobs):
+        assert set(b) == {tok, *want} and list(b)[0] == tok
+        for t in a:
+            assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) and b[t].rank == a[t].rank

@@ -148,6 +148,27 @@ def test_logprobs_of_given_tokens():
     assert len(logprobs_of(logits[:1], [0], -1)[0]) == 10
 
 
+def test_logprob_token_ids_give_exact_logprob_and_rank_of_those_ids_only():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, generator=g)
+    ids = [7, 0, 39]
+    rows = [row(temperature=0, logprob_token_ids=ids), row(temperature=0.7, logprobs=2), row(logprob_token_ids=[3])]
+    out = Sampler(torch.Generator().manual_seed(1))(logits, rows)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out.requested[1] is None and set(out.requested[0]) == set(ids) and set(out.requested[2]) == {3}
+    for i, want in ((0, ids), (2, [3])):
+        for t in want:
+            assert out.requested[i][t].logprob == pytest.approx(float(ref[i, t]), abs=1e-6)
+            assert out.requested[i][t].rank == int((ref[i] > ref[i, t]).sum()) + 1
+    assert SamplingParams(logprob_token_ids=(1, 2)).logprobs == 0  # implies per-position logprob dicts
+    assert SamplingParams(logprob_token_ids=[1], logprobs=3).logprobs == 3
+    for bad in ([-1], [1.5], [True]):
+        with pytest.raises(ValueError, match="logprob_token_ids"):
+            SamplingParams(logprob_token_ids=bad)
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=[40]).check_vocab(40)
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[5.0, 0.0, 4.0, 1.0]])
     before = row(temperature=0, min_tokens=2, output=[3], stop_ids=(0, 2))

@@ -2,11 +2,12 @@
 
 Requests are submitted in batches and the engine's continuous batching runs them together. Scoring
 shares work between requests with the same context: when every continuation of a context is one token
-(multiple choice with letter answers, the common case), the context runs once and one full next-token
-distribution (`logprobs=-1`) scores all of its choices; and the prefix that a batch of contexts shares
-(the subject line and few-shot examples) is computed once and served from the engine's prefix cache. Longer continuations are scored from prompt
-log-probs (`prompt_logprobs=0`: the log-prob and rank of each prompt token); the engine computes those
-without its prefix cache, since it needs logits at every prompt position.
+(multiple choice with letter answers, the common case), the context runs once and the engine returns
+the log-probs and ranks of just those tokens (`logprob_token_ids`, no whole-vocabulary dict) to score
+all of its choices; and the prefix that a batch of contexts shares (the subject line and few-shot
+examples) is computed once and served from the engine's prefix cache. Longer continuations are scored
+from prompt log-probs (`prompt_logprobs=0`: the log-prob and rank of each prompt token); the engine
+computes those without its prefix cache, since it needs logits at every prompt position.
 """
 
 from __future__ import annotations
@@ -52,14 +53,17 @@ class EngineModel(EvalModel):
         Contexts go in sorted order and each batch's common prefix (few-shot examples, the subject line)
         is run once first, so the engine's prefix cache serves it to the whole batch."""
         contexts = sorted(by_context)
-        params = SamplingParams(max_tokens=1, temperature=0, logprobs=-1, ignore_eos=True)
         for start in range(0, len(contexts), self.batch_size):
             batch = contexts[start:start + self.batch_size]
             shared = common_prefix(batch)
             if len(batch) > 1 and len(shared) >= 2 * self.llm.engine.config.block_size:
                 self.llm.generate([list(shared)], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            # ask only for the choices' log-probs (and ranks), not a whole-vocabulary dict per context
+            params = [SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                     logprob_token_ids=sorted({pairs[i][1][0] for i in by_context[ctx]}))
+                      for ctx in batch]
             for ctx, out in zip(batch, self.llm.generate([list(c) for c in batch], params)):
-                dist = out.outputs[0].logprobs[0]  # {token id: Logprob} over the whole vocabulary
+                dist = out.outputs[0].logprobs[0]  # {token id: Logprob}: the choices (+ the argmax)
                 for i in by_context[ctx]:
                     entry = dist[pairs[i][1][0]]
                     results[i] = (entry.logprob, entry.rank == 1)

@@ -22,7 +22,7 @@ from glm5.model.paged import AttnMetadata, ExpertShadow
 from .config import EngineConfig
 from .input_batch import SeqChunk, build_metadata
 from .outputs import PositionLogprobs
-from .sampling import Sampler, logprobs_of, position_logprobs
+from .sampling import Sampler, logprobs_of, position_logprobs, requested_logprobs, with_requested
 from .scheduler import ScheduleOutput, ScheduledRequest
 
 
@@ -131,8 +131,8 @@ class ModelRunner:
                 if k is not None:
                     k = so.logprobs.shape[1] - 1 if k == -1 else k
                     rank = int(so.sampled_ranks[j])
-                    result.logprobs[req.request_id] = [position_logprobs(so.logprob_token_ids[j], so.logprobs[j],
-                                                                         rank, k)]
+                    entry = position_logprobs(so.logprob_token_ids[j], so.logprobs[j], rank, k)
+                    result.logprobs[req.request_id] = [with_requested(entry, so.requested and so.requested[j])]
         for s, r0, n in owners:
             if n == 1:
                 continue
@@ -140,8 +140,10 @@ class ModelRunner:
             tokens = self.proposer.verify(logits[r0:r0 + n], [req.sampling_row(j) for j in range(n)], s)
             result.sampled[req.request_id] = tokens
             if req.params.logprobs is not None:
-                result.logprobs[req.request_id] = logprobs_of(logits[r0:r0 + len(tokens)], tokens,
-                                                              req.params.logprobs)
+                rows_lp = logits[r0:r0 + len(tokens)]
+                entries = logprobs_of(rows_lp, tokens, req.params.logprobs)
+                extra = requested_logprobs(rows_lp, [req.params.logprob_token_ids] * len(tokens))
+                result.logprobs[req.request_id] = [with_requested(e, x) for e, x in zip(entries, extra)]
 
     @staticmethod
     def _prompt_logprobs(s: ScheduledRequest, logits: torch.Tensor, result: RunnerOutput) -> None:

@@ -74,6 +74,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS/stop tokens are masked before this many output tokens
     logprobs: int | None = None  # top-N logprobs per output token (-1 = whole vocabulary)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (-1 = whole vocabulary)
+    # Also return the logprob and rank of these ids at every output position (SGLang's
+    # `token_ids_logprob`): scoring a few candidates without a whole-vocabulary dict. Implies logprobs >= 0.
+    logprob_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
@@ -88,6 +91,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:  # the entries live in the per-position logprob dicts
+                self.logprobs = 0
         if self.temperature_schedule is not None:
             self.temperature_schedule = tuple(float(t) for t in self.temperature_schedule)
         for msg in self._errors():
@@ -110,7 +117,8 @@ class SamplingParams:
 
     def token_id_fields(self) -> dict[str, Iterable[int]]:
         """Every field that holds token ids, by name (what `check_vocab` checks)."""
-        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or {})}
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or {}),
+                "logprob_token_ids": self.logprob_token_ids or []}
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `ValueError` naming the field if a token id is outside [0, vocab_size)."""
@@ -143,6 +151,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and v < -1:
                 yield f"{name} must be None, -1 (all) or >= 0, got {v}"
+        if self.logprob_token_ids is not None and any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logprob_token_ids):
+            yield f"logprob_token_ids must be token ids >= 0, got {self.logprob_token_ids[:5]}"
         if any(not s for s in self.stop):
             yield "stop must not contain empty strings"
         for tid, bias in (self.logit_bias or {}).items():
@@ -199,6 +210,7 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [N, 1 + K] long
     logprobs: torch.Tensor | None = None  # [N, 1 + K] fp32
     sampled_ranks: torch.Tensor | None = None  # [N] rank of the sampled token (1 = most likely)
+    requested: list[PositionLogprobs | None] | None = None  # per row: its params' logprob_token_ids
 
 
 class Sampler:
@@ -221,6 +233,8 @@ class Sampler:
         if num_logprobs:
             k = raw.shape[1] if -1 in num_logprobs else max(num_logprobs)
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(raw, token_ids, k)
+            if any(r.params.logprob_token_ids for r in rows):
+                out.requested = requested_logprobs(raw, [r.params.logprob_token_ids for r in rows])
         return out
 
     def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -366,6 +380,29 @@ def position_logprobs(ids: torch.Tensor, logprobs: torch.Tensor, rank: int | Non
     for j in range(1, min(k, len(ids_l) - 1) + 1):
         out.setdefault(ids_l[j], Logprob(lps[j], j))
     return out
+
+
+def requested_logprobs(raw: torch.Tensor, ids_per_row: list[Sequence | None]) -> list[PositionLogprobs | None]:
+    """Per row of raw logits [N, V]: {id: Logprob(logprob, rank)} for the row's requested ids (None where
+    a row requests none). Only those entries are built, so the cost grows with the ids, not with V."""
+    rows = [i for i, ids in enumerate(ids_per_row) if ids]
+    out: list[PositionLogprobs | None] = [None] * len(ids_per_row)
+    if not rows:
+        return out
+    logprobs = torch.log_softmax(raw[rows].float(), dim=-1)  # [n, V]
+    for j, i in enumerate(rows):
+        ids = torch.as_tensor(ids_per_row[i], device=raw.device)  # [m]
+        lp = logprobs[j, ids]  # [m]
+        ranks = (logprobs[j][None, :] > lp[:, None]).sum(dim=-1) + 1  # [m]
+        out[i] = {t: Logprob(v, r) for t, v, r in zip(ids.tolist(), lp.tolist(), ranks.tolist())}
+    return out
+
+
+def with_requested(entry: PositionLogprobs, requested: PositionLogprobs | None) -> PositionLogprobs:
+    """A position's {sampled, top-k} dict plus the requested ids (the sampled token stays the first key)."""
+    if not requested:
+        return entry
+    return entry | {t: lp for t, lp in requested.items() if t not in entry}
 
 
 def logprobs_of(raw: torch.Tensor, token_ids: Sequence, k: int) -> list[PositionLogprobs]:
