@@ -146,3 +146,12 @@ def test_health_and_other_requests_answer_while_a_prompt_is_tokenised(path, body
             tok.release.set()
             sender.join(60)
         assert slow["r"].status_code == 200, slow["r"].text
+
+
+def test_a_tiny_kv_budget_is_one_line_naming_the_setting(capsys):
+    """Before: `need num_blocks >= 1 and block_size >= 1, got 0, 16` with a traceback."""
+    from glm5.cli.serve import main
+    assert main(["--model", "tiny", "--device=cpu", "--kv_cache_memory=1000", "--max_model_len=64"]) == 2
+    out = capsys.readouterr().out
+    assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+    assert "kv_cache_memory=1000" in out and "kv_cache_memory >=" in out, out

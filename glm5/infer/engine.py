@@ -171,7 +171,14 @@ class LLMEngine:
         dtype = getattr(torch, c.dtype)
         with_mtp = c.speculative_num_tokens > 0
         if c.kv_cache_memory is not None:
-            return num_blocks_for_budget(cfg, c.block_size, c.kv_cache_memory, dtype, with_mtp)
+            blocks = num_blocks_for_budget(cfg, c.block_size, c.kv_cache_memory, dtype, with_mtp)
+            if blocks < 1:  # say which setting and how much, not BlockManager's "got 0, 16"
+                per_block = c.block_size * bytes_per_token(cfg, dtype, with_mtp)
+                need = per_block * cdiv(max_model_len + c.speculative_num_tokens, c.block_size)
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block (one block of "
+                                 f"{c.block_size} tokens takes {per_block} bytes); one request of {max_model_len} "
+                                 f"tokens needs kv_cache_memory >= {need}: raise it, or lower max_model_len")
+            return blocks
         want = c.max_num_seqs * (max_model_len + c.speculative_num_tokens) * bytes_per_token(cfg, dtype, with_mtp)
         blocks = num_blocks_for_budget(cfg, c.block_size, min(want, available_memory_bytes() // 4), dtype, with_mtp)
         return max(blocks, cdiv(max_model_len + c.speculative_num_tokens, c.block_size)) if stretch else blocks
