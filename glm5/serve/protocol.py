@@ -103,8 +103,9 @@ class SamplingFields(OpenAIModel):
         if any(not s for s in stops):  # vLLM: any number of stop strings, none empty
             raise ValueError("stop: stop strings must not be empty")
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().lstrip("-").isdigit():
-                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+            digits = key.strip().lstrip("-")
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 19):  # int() takes "²", "٣"
+                raise ValueError(f"logit_bias: keys must be token ids (decimal integers), got {key[:30]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias: values must be in [-100, 100], got {bias} for token {key}")
         return self
