@@ -1,15 +1,17 @@
-"""Training throughput (issue 4): glm5's Trainer vs transformers' GlmMoeDsaForCausalLM in a plain PyTorch
-loop, same `small`-preset config, optimizer (AdamW, clip 1.0), batch and sequence length, same run.
+"""Training throughput: glm5's Trainer vs transformers' GlmMoeDsaForCausalLM in a plain PyTorch loop, same
+`small`-preset config, optimizer (AdamW, clip 1.0), batch and sequence length, same run; and the
+parallel layouts on this machine (`--parallel`).
 
-Each implementation runs in its own subprocess (its own peak RSS). glm5 runs its full training step
-(guard, clipping, balance loss, bias update, metrics) and, to separate the trainer's overhead from the
-model's speed, glm5's model also runs in the same plain loop as HF. MTP is off everywhere (HF has no
-MTP loss).
-MFU uses one matmul peak measured in the parent for both.
+Each implementation runs in its own subprocess (its own peak RSS), `--rounds` times, interleaved, so that
+the machine's load hits all of them alike; ratios are per round, then the median. glm5 runs its full
+training step (guard, clipping, balance loss, bias update, metrics) and, to separate the trainer's
+overhead from the model's speed, glm5's model also runs in the same plain loop as HF (default AdamW
+there, as HF's). MTP is off everywhere (HF has no MTP loss). Each child measures the fp32 matmul peak
+right before and after its timed steps (the best of both): MFU is relative to that, under the same load.
 
-  python bench/train.py [--batch 4 --seq 256 --steps 5 --layers 4 --threads 0]
+  python bench/train.py [--batch 4 --seq 256 --steps 5 --layers 4 --threads 0 --rounds 2]
+  python bench/train.py --parallel [--steps 4]     # torchrun layouts: tokens/s, MFU, communication share
 """
-
 from __future__ import annotations
 
 import argparse
@@ -44,13 +46,21 @@ def child_glm5(a) -> dict:
                                                                              "num_threads": a.threads},
         "log": {"run_dir": "/tmp/glm5-bench-train", "progress": False, "measure_peak": False}})
     trainer = Trainer(cfg, data=SyntheticData(mcfg.vocab_size, a.batch, a.seq))
+    peak = _peak()
     times = []
     for i in range(a.steps + 1):
         t = time.perf_counter()
         trainer.train_step()
         if i:
             times.append(time.perf_counter() - t)
-    return _result("glm5 Trainer", times, a, trainer.active_params)
+    return _result("glm5 Trainer", times, a, trainer.active_params, max(peak, _peak()))
+
+
+def _peak() -> float:
+    import torch
+
+    from glm5.train.perf import measure_matmul_peak
+    return measure_matmul_peak(torch.device("cpu"), torch.float32, use_cache=False)
 
 
 def child_plain(a) -> dict:
@@ -74,6 +84,7 @@ def child_plain(a) -> dict:
         name = "glm5 GLM5ForCausalLM, plain loop"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     x = torch.randint(0, mcfg.vocab_size, (a.batch, a.seq + 1))
+    peak = _peak()
     times = []
     for i in range(a.steps + 1):
         t = time.perf_counter()
@@ -87,14 +98,73 @@ def child_plain(a) -> dict:
             times.append(time.perf_counter() - t)
     with torch.device("meta"):
         n_active = active_params(GLM5ForCausalLM(mcfg))
-    return _result(name, times, a, n_active)
+    return _result(name, times, a, n_active, max(peak, _peak()))
 
 
-def _result(name: str, times: list[float], a, n_active: int) -> dict:
+def _result(name: str, times: list[float], a, n_active: int, peak: float) -> dict:
     import torch
+
+    from glm5.train.perf import mfu
     dt = sorted(times)[len(times) // 2]
-    return {"impl": name, "tokens_per_s": a.batch * a.seq / dt, "step_s": dt, "peak_rss_mb": _peak_rss_mb(),
-            "active_params": n_active, "threads": torch.get_num_threads()}
+    tps = a.batch * a.seq / dt
+    return {"impl": name, "tokens_per_s": tps, "step_s": dt, "peak_rss_mb": _peak_rss_mb(),
+            "active_params": n_active, "threads": torch.get_num_threads(), "peak_flops": peak,
+            "mfu": mfu(n_active, tps, peak)}
+
+
+def single(a) -> None:
+    rounds = []
+    for _ in range(a.rounds):
+        rows = []
+        for impl in ("glm5", "glm5-plain", "hf"):
+            argv = [sys.executable, __file__, "--child", impl] + [f"--{k}={getattr(a, k)}" for k in
+                                                                  ("batch", "seq", "steps", "layers", "threads")]
+            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            rows.append(json.loads(out))
+        rounds.append(rows)
+    print(f"batch {a.batch} x seq {a.seq}, small preset with {a.layers} layers, {a.steps} timed steps (median), "
+          f"{rounds[0][0]['threads']} threads, {a.rounds} interleaved rounds; MFU vs each child's fp32 matmul peak")
+    print(f"{'round':<6}{'impl':<56}{'threads':>8}{'tokens/s':>10}{'step s':>9}{'peak MB':>9}{'GFLOP/s':>9}{'MFU':>8}")
+    for k, rows in enumerate(rounds):
+        for r in rows:
+            print(f"{k:<6}{r['impl']:<56}{r['threads']:>8}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}"
+                  f"{r['peak_rss_mb']:>9.0f}{r['peak_flops'] / 1e9:>9.1f}{r['mfu']:>8.1%}")
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    trainer = med([rows[0]["tokens_per_s"] / rows[2]["tokens_per_s"] for rows in rounds])
+    plain = med([rows[1]["tokens_per_s"] / rows[2]["tokens_per_s"] for rows in rounds])
+    print(f"median over rounds: glm5 Trainer / HF tokens/s {trainer:.2f}x, glm5 plain loop / HF {plain:.2f}x, "
+          f"glm5 Trainer MFU {med([rows[0]['mfu'] for rows in rounds]):.1%}")
+
+
+LAYOUTS = {"1 process": {}, "fsdp x2": {"data_parallel": 2}, "ep x2": {"expert_parallel": 2},
+           "tp x2": {"tensor_parallel": 2}, "pp x2 (1f1b)": {"pipeline_parallel": 2}}
+
+
+def parallel(a) -> None:
+    """`glm5 train` on the tiny preset under torchrun for each layout (same global batch: 8 x 128 per
+    micro-batch, 2 micro-batches), profiling every step's communication; medians of the steps after
+    the first."""
+    import tempfile
+
+    from glm5.core.log import read_metrics
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    print(f"tiny preset, global batch 2 x 8 x 128 tokens per step, {a.steps} steps (median of all but the first)")
+    print(f"{'layout':<16}{'tokens/s':>10}{'MFU':>8}{'comm share':>12}{'comm s/step':>13}")
+    for name, par in LAYOUTS.items():
+        with tempfile.TemporaryDirectory() as run:
+            D = 2 // (par.get("tensor_parallel", 1) * par.get("pipeline_parallel", 1)) if par else 1
+            args = ["--config", "configs/train/tiny.toml", f"--train.steps={a.steps}", "--train.grad_accum=2",
+                    "--train.time_limit_min=0", "--data.seq_len=128", f"--data.batch_size={8 // D}",
+                    "--train.num_threads=1", "--log.every=1", "--log.progress=false", "--log.eval_batches=1",
+                    "--checkpoint.at_exit=false", "--log.profile_comm_every=1", f"--log.run_dir={run}",
+                    *[f"--parallel.{k}={v}" for k, v in par.items()]]
+            launch = [sys.executable, "-m", "glm5.train"] if not par else \
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "-m", "glm5.train"]
+            subprocess.run(launch + args, env=env, check=True, capture_output=True)
+            recs = [r for r in read_metrics(f"{run}/metrics.jsonl") if "tokens_per_s" in r][1:]
+        med = lambda k: sorted(r.get(k, 0.0) for r in recs)[len(recs) // 2]  # noqa: E731
+        print(f"{name:<16}{med('tokens_per_s'):>10.0f}{med('mfu'):>8.1%}{med('comm_frac'):>12.0%}{med('comm_s'):>13.3f}")
 
 
 def main() -> None:
@@ -103,33 +173,18 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in every child (the same for all: "
+                   "comparable on a shared machine)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--parallel", action="store_true", help="the torchrun layouts instead of the 1-process step")
     p.add_argument("--child", choices=["glm5", "glm5-plain", "hf"])
     a = p.parse_args()
     if a.child:
         print(json.dumps((child_glm5 if a.child == "glm5" else child_plain)(a)))
-        return
-    import torch
-
-    from glm5.train.perf import measure_matmul_peak, mfu
-    from glm5.train.trainer import set_threads
-    set_threads(a.threads)
-    peak = measure_matmul_peak(torch.device("cpu"), torch.float32, use_cache=False)
-    rows = []
-    for impl in ("glm5", "glm5-plain", "hf"):
-        argv = [sys.executable, __file__, "--child", impl] + [f"--{k}={getattr(a, k)}" for k in
-                                                              ("batch", "seq", "steps", "layers", "threads")]
-        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-        r = json.loads(out)
-        r["mfu"] = mfu(r["active_params"], r["tokens_per_s"], peak)
-        rows.append(r)
-    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s fp32, {rows[0]['threads']} threads; batch {a.batch} x seq "
-          f"{a.seq}, small preset with {a.layers} layers, {a.steps} timed steps (median)")
-    print(f"{'impl':<56}{'tokens/s':>10}{'step s':>9}{'peak MB':>9}{'MFU':>8}")
-    for r in rows:
-        print(f"{r['impl']:<56}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_rss_mb']:>9.0f}{r['mfu']:>8.1%}")
-    print(f"glm5 Trainer / HF tokens/s: {rows[0]['tokens_per_s'] / rows[2]['tokens_per_s']:.2f}x; "
-          f"glm5 plain loop / HF: {rows[1]['tokens_per_s'] / rows[2]['tokens_per_s']:.2f}x")
+    elif a.parallel:
+        parallel(a)
+    else:
+        single(a)
 
 
 if __name__ == "__main__":

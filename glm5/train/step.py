@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .balance import balance_losses
 from .indexer_warmup import indexer_kl
+from .loss import linear_ce_sum
 
 IGNORE = -100
 MODEL_KEYS = ("input_ids", "position_ids", "segment_ids", "attention_mask", "block_position_ids")
@@ -51,19 +52,26 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance_cfg,
-                  indexer_coef: float = 0.0, capture=None, data_group=None) -> MicroResult:
+                  indexer_coef: float = 0.0, capture=None, data_group=None, fused_ce: bool = False) -> MicroResult:
     """Run the model on one micro-batch; MTP runs only on causal-LM batches (GLM blank infilling is
     not left-to-right over Part A, so "token t+2" has no meaning there). With `capture` (an
     indexer_warmup.AttnCapture) and `indexer_coef`, adds the sparse-stage indexer KL term.
-    `data_group`: the data-parallel process group (the batch balance loss sees the global batch)."""
+    `data_group`: the data-parallel process group (the batch balance loss sees the global batch).
+    `fused_ce`: the LM loss straight from the final hidden states and the head's weight
+    (`loss.linear_ce_sum`: no [tokens, vocab] logits; one process, unsharded head only)."""
     inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
     if capture is not None:
         capture.clear()
     cfg = getattr(model, "config", None)
     use_mtp = mtp_weight > 0 and objective in ("clm", "fim") and getattr(cfg, "num_nextn_predict_layers", 0) > 0
-    out = model(**inputs, return_mtp=use_mtp)
     labels = batch["labels"]
-    res = MicroResult(lm_sum=ce_sum(out.logits, labels), lm_tokens=int((labels != IGNORE).sum()),
+    if fused_ce:  # the model's logits only for the last position; the loss from the hidden states
+        out = model(**inputs, return_mtp=use_mtp, logits_to_keep=1)
+        lm_sum = linear_ce_sum(out.hidden_states, model.lm_head.weight, labels)
+    else:
+        out = model(**inputs, return_mtp=use_mtp)
+        lm_sum = ce_sum(out.logits, labels)
+    res = MicroResult(lm_sum=lm_sum, lm_tokens=int((labels != IGNORE).sum()),
                       mtp_sum=None, mtp_tokens=0, router_stats=list(out.router_stats or []))
     if use_mtp and out.mtp_logits is not None:
         targets = mtp_labels(labels)

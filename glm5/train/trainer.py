@@ -11,6 +11,7 @@ when launched with several processes; the model itself stays pure math.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -110,6 +111,10 @@ class Trainer:
         self.data_group = plan.data_group if plan else None
         self.loss_context = plan.loss_context if plan else contextlib.nullcontext
         self.pipeline = plan.pipeline if plan else None
+        # one process: the LM loss fused with the head (glm5/train/loss.py); a custom micro_fn keeps its own
+        self.fused_ce = cfg.train.fused_ce and not self.distributed
+        if self.micro_fn is forward_micro and self.fused_ce:
+            self.micro_fn = functools.partial(forward_micro, fused_ce=True)
         self.pp_group = plan.pp_group if plan else None
         if self.pipeline is not None and cfg.dsa.indexer_loss_coef > 0:
             raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
@@ -432,7 +437,7 @@ class Trainer:
                                                train=False).lm_sum
                     count += self.pipeline.lm_tokens([batch])
                 else:
-                    res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance)
+                    res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance, fused_ce=self.fused_ce)
                     total += float(res.lm_sum)
                     count += res.lm_tokens
             labels = batch["labels"][batch["labels"] != IGNORE].cpu()

@@ -1,0 +1,63 @@
+"""Cross entropy fused with the LM head: the [tokens, vocab] logits never exist at once.
+
+`linear_ce_sum(h, weight, labels)` = sum over positions of CE(h @ weight^T, labels) (labels -100 are
+skipped), computed over row chunks in fp32. Because the loss is a sum of per-row terms, its gradient
+with respect to each chunk's logits (softmax - one-hot) is known in the forward pass: the forward also
+computes d/dh and d/dweight chunk by chunk (the same three matmuls as logits + their backward), and the
+backward only scales them by the incoming gradient. Peak extra memory is one [chunk, vocab] block
+instead of the [tokens, vocab] logits, their log-softmax and its gradient (the "fused linear cross
+entropy" of Liger-Kernel / torchtune, written with plain matmuls).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+class _LinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk: int):
+        """h [N, H], weight [V, H], labels [N] -> summed loss (0-d fp32)."""
+        need_h, need_w = ctx.needs_input_grad[:2]
+        hf, wf = h.float(), weight.float()
+        d_h = torch.empty_like(hf) if need_h else None
+        d_w = torch.zeros_like(wf) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo in range(0, h.shape[0], chunk):
+            rows = slice(lo, min(h.shape[0], lo + chunk))
+            logits = hf[rows] @ wf.t()  # [c, V]
+            lab = labels[rows]
+            valid = lab != IGNORE
+            safe = torch.where(valid, lab, 0)
+            picked = logits.gather(1, safe[:, None])[:, 0]
+            top = logits.amax(dim=-1)
+            e = logits.sub_(top[:, None]).exp_()  # in place: one pass for exp(logits - max)
+            z = e.sum(dim=-1)
+            total += ((top + z.log() - picked) * valid).sum()  # logsumexp - target logit
+            if need_h or need_w:
+                # d loss / d logits = softmax - one-hot, zero on ignored rows (in place over the block)
+                grad = e.div_(z[:, None])
+                grad.scatter_add_(1, safe[:, None], -torch.ones_like(z[:, None]))
+                grad.mul_(valid[:, None])
+                if need_h:
+                    torch.mm(grad, wf, out=d_h[rows])
+                if need_w:
+                    d_w.addmm_(grad.t(), hf[rows])
+        ctx.save_for_backward(d_h if need_h else None, d_w if need_w else None)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_h, d_w = ctx.saved_tensors
+        g_h = (d_h * grad).to(ctx.dtypes[0]) if d_h is not None else None
+        g_w = (d_w * grad).to(ctx.dtypes[1]) if d_w is not None else None
+        return g_h, g_w, None, None
+
+
+def linear_ce_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Summed cross entropy of the logits h @ weight^T against labels (-100 = no loss), without
+    materialising the logits; h [..., H], labels [...] (same leading shape), weight [V, H]."""
+    return _LinearCE.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), chunk)
