@@ -9,7 +9,8 @@ overhead from the model's speed, glm5's model also runs in the same plain loop a
 there, as HF's). MTP is off everywhere (HF has no MTP loss). Each child measures the fp32 matmul peak
 right before and after its timed steps (the best of both): MFU is relative to that, under the same load.
 
-  python bench/train.py [--batch 4 --seq 256 --steps 5 --layers 4 --threads 0 --rounds 2]
+  python bench/train.py [--batch 4 --seq 256 --steps 5 --layers 4 --threads 1 --rounds 2]
+  python bench/train.py --baseline /tmp/glm5-main     # also the Trainer of another glm5 tree (before/after)
   python bench/train.py --parallel [--steps 4]     # torchrun layouts: tokens/s, MFU, communication share
 """
 from __future__ import annotations
@@ -112,15 +113,24 @@ def _result(name: str, times: list[float], a, n_active: int, peak: float) -> dic
             "mfu": mfu(n_active, tps, peak)}
 
 
+def _run_child(a, impl: str, tree: str | None = None) -> dict:
+    """One child process; `tree`: import glm5 from that directory instead (a checkout of another commit)."""
+    argv = [sys.executable, __file__, "--child", impl] + [f"--{k}={getattr(a, k)}" for k in
+                                                          ("batch", "seq", "steps", "layers", "threads")]
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
+    row = json.loads(out)
+    if tree:
+        row["impl"] = f"glm5 Trainer, baseline tree {os.path.basename(tree.rstrip('/'))}"
+    return row
+
+
 def single(a) -> None:
     rounds = []
     for _ in range(a.rounds):
-        rows = []
-        for impl in ("glm5", "glm5-plain", "hf"):
-            argv = [sys.executable, __file__, "--child", impl] + [f"--{k}={getattr(a, k)}" for k in
-                                                                  ("batch", "seq", "steps", "layers", "threads")]
-            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            rows.append(json.loads(out))
+        rows = [_run_child(a, impl) for impl in ("glm5", "glm5-plain", "hf")]
+        if a.baseline:
+            rows.append(_run_child(a, "glm5", a.baseline))
         rounds.append(rows)
     print(f"batch {a.batch} x seq {a.seq}, small preset with {a.layers} layers, {a.steps} timed steps (median), "
           f"{rounds[0][0]['threads']} threads, {a.rounds} interleaved rounds; MFU vs each child's fp32 matmul peak")
@@ -134,6 +144,10 @@ def single(a) -> None:
     plain = med([rows[1]["tokens_per_s"] / rows[2]["tokens_per_s"] for rows in rounds])
     print(f"median over rounds: glm5 Trainer / HF tokens/s {trainer:.2f}x, glm5 plain loop / HF {plain:.2f}x, "
           f"glm5 Trainer MFU {med([rows[0]['mfu'] for rows in rounds]):.1%}")
+    if a.baseline:
+        print(f"glm5 Trainer / baseline tree's Trainer {med([r[0]['tokens_per_s'] / r[3]['tokens_per_s'] for r in rounds]):.2f}x, "
+              f"baseline / HF {med([r[3]['tokens_per_s'] / r[2]['tokens_per_s'] for r in rounds]):.2f}x, "
+              f"baseline MFU {med([r[3]['mfu'] for r in rounds]):.1%}")
 
 
 LAYOUTS = {"1 process": {}, "fsdp x2": {"data_parallel": 2}, "ep x2": {"expert_parallel": 2},
@@ -176,6 +190,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads in every child (the same for all: "
                    "comparable on a shared machine)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--baseline", help="a directory holding another version's glm5 package (e.g. `git archive "
+                   "main glm5 | tar -x -C DIR`): its Trainer runs as a fourth child in every round")
     p.add_argument("--parallel", action="store_true", help="the torchrun layouts instead of the 1-process step")
     p.add_argument("--child", choices=["glm5", "glm5-plain", "hf"])
     a = p.parse_args()

@@ -1,17 +1,30 @@
-"""The LM loss fused with the head equals cross entropy over the materialised logits (value and both
-gradients, ignored positions and a ragged last chunk included), and the Trainer's step is the same
-with and without it."""
+"""The training step's fast paths against plain autograd references written here: the LM loss fused
+with the head (glm5/train/loss.py) against cross entropy over materialised logits, and the whole
+one-process step (fused loss + the expert loop's hand-written backward in glm5/model/moe.py) against
+the model's logits, F.cross_entropy and an autograd expert loop: loss and the gradient of every
+parameter, with and without MTP, with ignored positions and a loss mask, fp32."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from glm5.model import moe
+from glm5.model.config import ModelConfig
+from glm5.model.model import GLM5ForCausalLM
+from glm5.train.balance import balance_losses
+from glm5.train.config import BalanceConfig
 from glm5.train.loss import linear_ce_sum
+from glm5.train.data import SyntheticData
+from glm5.train.step import forward_micro, micro_loss
+from glm5.train.trainer import Trainer
+from tests.test_train_loop import MODEL, make
 
 
-def test_linear_ce_matches_materialised_logits():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_ce_matches_materialised_logits(dtype):
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(2, 37, 16, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    h = torch.randn(2, 37, 16, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 50, (2, 37), generator=g)
     labels[0, :5] = -100
     got = linear_ce_sum(h, w, labels, chunk=8)  # 74 rows: 9 full chunks and a ragged one
@@ -20,17 +33,91 @@ def test_linear_ce_matches_materialised_logits():
     h.grad = w.grad = None
     ref = F.cross_entropy((h @ w.t()).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     (ref * 0.7).backward()
+    assert gh.dtype == dtype and gw.dtype == dtype
     torch.testing.assert_close(got, ref.float())
     torch.testing.assert_close(gh, h.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
+    assert gh[0, :5].abs().max() == 0  # ignored positions get no gradient
     with torch.no_grad():  # evaluation: the loss alone
-        torch.testing.assert_close(linear_ce_sum(h, w, labels), ref.float())
+        ev = linear_ce_sum(h, w, labels)
+    assert not ev.requires_grad
+    torch.testing.assert_close(ev, ref.float())
 
 
-def test_trainer_step_is_the_same_with_the_fused_loss(tmp_path):
-    from tests.test_train_loop import make
-    runs = [make(tmp_path / str(fused), steps=3, train={"fused_ce": fused, "mtp_weight": 0.3}) for fused in (False, True)]
-    for t in runs:
-        t.fit()
-    for a, b in zip(*[[h["loss"] for h in t.history] for t in runs]):
-        assert abs(a - b) < 1e-5
+def test_linear_ce_only_ignored_labels_is_zero():
+    h = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    loss = linear_ce_sum(h, w, torch.full((3,), -100))
+    loss.backward()
+    assert float(loss.detach()) == 0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
+
+
+def _autograd_expert_loop(xs, gate_up, down, counts):
+    """The reference: autograd through one F.linear pair per expert."""
+    outs, lo = [], 0
+    for e, n in enumerate(counts.tolist()):
+        gate, up = F.linear(xs[lo: lo + n], gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+        lo += n
+    return torch.cat(outs)
+
+
+def _reference_loss(model, batch, mtp_weight, bal):
+    """Loss of one micro-batch from the model's logits: mean CE + mtp_weight * mean MTP CE + balance."""
+    labels = batch["labels"]
+    out = model(batch["input_ids"], return_mtp=mtp_weight > 0)
+    lm = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    loss = lm / (labels != -100).sum()
+    if mtp_weight > 0:  # position t predicts token t+2 = labels[t+1], only where t itself has a target
+        nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        targets = torch.where(labels != -100, nxt, -100)
+        mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        loss = loss + mtp_weight * mtp / (targets != -100).sum()
+    for term in balance_losses(out.router_stats, labels.shape[0], bal.seq_aux_coef, bal.aux_coef,
+                               bal.z_loss_coef).values():
+        loss = loss + term
+    return loss
+
+
+@pytest.mark.parametrize("mtp_weight", [0.0, 0.3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_process_step_matches_autograd_reference(monkeypatch, mtp_weight, masked):
+    cfg = ModelConfig.from_preset("tiny", **{**MODEL, "n_routed_experts": 12})
+    model = GLM5ForCausalLM(cfg).init_weights(0).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, 21), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # no target past the end
+    if masked:  # a loss mask (prompt tokens of an SFT row) and a padded tail
+        labels[0, :7] = -100
+        labels[1, 15:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    bal = BalanceConfig(aux_coef=0.01, seq_aux_coef=0.001)
+
+    res = forward_micro(model, batch, "clm", mtp_weight, bal, fused_ce=True)
+    got = micro_loss(res, res.lm_tokens, res.mtp_tokens, mtp_weight, 1)
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(moe, "grouped_swiglu", _autograd_expert_loop)
+    ref = _reference_loss(model, batch, mtp_weight, bal)
+    ref.backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    assert any("experts.gate_up_proj" in n for n in grads) and "lm_head.weight" in grads
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_uses_the_fused_loss_only_for_a_plain_head(tmp_path):
+    """One process with a plain head: the fused loss; a LoRA head (dropout on its input) keeps logits."""
+    from glm5.model import lora
+    t = make(tmp_path / "plain", steps=1)
+    assert t.fused_ce and t.micro_fn.keywords == {"fused_ce": True}
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", **MODEL)).init_weights(0)
+    lora.apply_lora(model, lora.resolve_targets(model, lora.LoraConfig(r=2, targets=["lm_head"])), dropout=0.1)
+    cfg = make(tmp_path / "plain2", steps=1).cfg
+    t = Trainer(cfg, model=model.train(), data=SyntheticData(96, 4, 24, seed=1))
+    assert not t.fused_ce and t.micro_fn is forward_micro

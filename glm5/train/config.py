@@ -89,9 +89,6 @@ class TrainSection:
     time_limit_min: float = 0.0
     """Wall-time budget of the training loop in minutes (0 = none): the LR schedule follows whichever
     of steps or time is further along, and training stops (then validates and saves) at the limit."""
-    fused_ce: bool = True
-    """One process: the LM loss fused with the head (no [tokens, vocab] logits; glm5/train/loss.py).
-    Distributed runs use the model's logits (FSDP) or the vocab-parallel loss (tensor parallel)."""
     num_threads: int = 0
     """CPU threads for torch; 0 = auto: 1 when the machine is already busy (load >= cores, where
     OpenMP threads stall each other), else torch's default."""

@@ -18,9 +18,10 @@ IGNORE = -100
 
 class _LinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk: int):
-        """h [N, H], weight [V, H], labels [N] -> summed loss (0-d fp32)."""
-        need_h, need_w = ctx.needs_input_grad[:2]
+    def forward(ctx, h, weight, labels, chunk: int, grad_enabled: bool):
+        """h [N, H], weight [V, H], labels [N] -> summed loss (0-d fp32). `grad_enabled`: the caller's grad
+        mode (needs_input_grad ignores torch.no_grad(): evaluation must not pay for the gradients)."""
+        need_h, need_w = (need and grad_enabled for need in ctx.needs_input_grad[:2])
         hf, wf = h.float(), weight.float()
         d_h = torch.empty_like(hf) if need_h else None
         d_w = torch.zeros_like(wf) if need_w else None
@@ -54,10 +55,10 @@ class _LinearCE(torch.autograd.Function):
         d_h, d_w = ctx.saved_tensors
         g_h = (d_h * grad).to(ctx.dtypes[0]) if d_h is not None else None
         g_w = (d_w * grad).to(ctx.dtypes[1]) if d_w is not None else None
-        return g_h, g_w, None, None
+        return g_h, g_w, None, None, None
 
 
 def linear_ce_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """Summed cross entropy of the logits h @ weight^T against labels (-100 = no loss), without
     materialising the logits; h [..., H], labels [...] (same leading shape), weight [V, H]."""
-    return _LinearCE.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), chunk)
+    return _LinearCE.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), chunk, torch.is_grad_enabled())

@@ -111,8 +111,10 @@ class Trainer:
         self.data_group = plan.data_group if plan else None
         self.loss_context = plan.loss_context if plan else contextlib.nullcontext
         self.pipeline = plan.pipeline if plan else None
-        # one process: the LM loss fused with the head (glm5/train/loss.py); a custom micro_fn keeps its own
-        self.fused_ce = cfg.train.fused_ce and not self.distributed
+        # the LM loss fused with the head (glm5/train/loss.py) in one process with a plain head: a sharded
+        # head (FSDP/TP) has its own loss path, and an adapted one (LoRA with dropout) is more than its
+        # `.weight`. A custom micro_fn (distillation) keeps its own loss.
+        self.fused_ce = not self.distributed and type(getattr(self.raw_model, "lm_head", None)) is torch.nn.Linear
         if self.micro_fn is forward_micro and self.fused_ce:
             self.micro_fn = functools.partial(forward_micro, fused_ce=True)
         self.pp_group = plan.pp_group if plan else None
