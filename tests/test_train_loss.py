@@ -44,6 +44,25 @@ def test_linear_ce_matches_materialised_logits(dtype):
     torch.testing.assert_close(ev, ref.float())
 
 
+def test_linear_ce_under_bf16_autocast_matches_the_autocast_head():
+    """Under autocast the logits matmul runs in bf16, as the head's F.linear would; loss in fp32."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 16, generator=g, requires_grad=True)
+    w = torch.randn(30, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 30, (40,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_ce_sum(h, w, labels, chunk=16)
+        ref = F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum")
+    got.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref.backward()
+    assert got.dtype == torch.float32 and gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gh, h.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gw, w.grad, rtol=2e-2, atol=2e-2)
+
+
 def test_linear_ce_only_ignored_labels_is_zero():
     h = torch.randn(3, 4, requires_grad=True)
     w = torch.randn(5, 4, requires_grad=True)
