@@ -11,6 +11,7 @@ right before and after its timed steps (the best of both): MFU is relative to th
 
   python bench/train.py [--batch 4 --seq 256 --steps 5 --layers 4 --threads 1 --rounds 2]
   python bench/train.py --baseline /tmp/glm5-main     # also the Trainer of another glm5 tree (before/after)
+  python bench/train.py --profile                     # torch.profiler table of one glm5 Trainer step
   python bench/train.py --parallel [--steps 4]     # torchrun layouts: tokens/s, MFU, communication share
 """
 from __future__ import annotations
@@ -55,6 +56,30 @@ def child_glm5(a) -> dict:
         if i:
             times.append(time.perf_counter() - t)
     return _result("glm5 Trainer", times, a, trainer.active_params, max(peak, _peak()))
+
+
+def profile(a) -> None:
+    """One glm5 Trainer step (after two warm-up steps) under torch.profiler: ops by self CPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from glm5.core.config import from_dict
+    from glm5.train.config import TrainConfig
+    from glm5.train.data import SyntheticData
+    from glm5.train.trainer import Trainer
+    cfg = from_dict(TrainConfig, {
+        "model": {"name": "small", "overrides": {"num_nextn_predict_layers": 0, "num_hidden_layers": a.layers}},
+        "optim": {"lr": 1e-4}, "schedule": {"warmup_steps": 1},
+        "train": {"steps": 4, "mtp_weight": 0.0, "num_threads": a.threads},
+        "log": {"run_dir": "/tmp/glm5-bench-train", "progress": False, "measure_peak": False}})
+    trainer = Trainer(cfg, data=SyntheticData(_model_cfg(a.layers).vocab_size, a.batch, a.seq))
+    trainer.train_step()
+    trainer.train_step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        trainer.train_step()
+        print(f"step {time.perf_counter() - t:.2f} s (profiled)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40))
 
 
 def _peak() -> float:
@@ -128,9 +153,10 @@ def _run_child(a, impl: str, tree: str | None = None) -> dict:
 def single(a) -> None:
     rounds = []
     for _ in range(a.rounds):
-        rows = [_run_child(a, impl) for impl in ("glm5", "glm5-plain", "hf")]
-        if a.baseline:
-            rows.append(_run_child(a, "glm5", a.baseline))
+        rows = []
+        for impl, tree in [("glm5", None), ("glm5-plain", None), ("hf", None)] + ([("glm5", a.baseline)] if a.baseline else []):
+            rows.append(_run_child(a, impl, tree))
+            print(json.dumps({"round": len(rounds), **rows[-1]}), flush=True)  # survives a time limit
         rounds.append(rows)
     print(f"batch {a.batch} x seq {a.seq}, small preset with {a.layers} layers, {a.steps} timed steps (median), "
           f"{rounds[0][0]['threads']} threads, {a.rounds} interleaved rounds; MFU vs each child's fp32 matmul peak")
@@ -193,12 +219,15 @@ def main() -> None:
     p.add_argument("--baseline", help="a directory holding another version's glm5 package (e.g. `git archive "
                    "main glm5 | tar -x -C DIR`): its Trainer runs as a fourth child in every round")
     p.add_argument("--parallel", action="store_true", help="the torchrun layouts instead of the 1-process step")
+    p.add_argument("--profile", action="store_true", help="profile one glm5 Trainer step instead")
     p.add_argument("--child", choices=["glm5", "glm5-plain", "hf"])
     a = p.parse_args()
     if a.child:
         print(json.dumps((child_glm5 if a.child == "glm5" else child_plain)(a)))
     elif a.parallel:
         parallel(a)
+    elif a.profile:
+        profile(a)
     else:
         single(a)
 
