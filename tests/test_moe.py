@@ -156,7 +156,7 @@ def test_cuda_autocast_grouped_mm_trains_fp32_masters():
 
 
 def test_inference_expert_loop_equals_reference():
-    """Without autograd the experts run the per-expert loop the engine uses (incl. its one-token path)."""
+    """Without autograd (the engine) the experts run the grouped path; one token and several."""
     m = _moe(n_routed_experts=8, num_experts_per_tok=2)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -3,8 +3,9 @@
 A chunk is one sequence's share of a forward: tokens at sequence indices [start, start + len). The
 tokens of all chunks are laid out back to back (N flat tokens); each token's cache slot comes from
 the sequence's block table (slot = block_id * block_size + offset). Attention groups keep padding
-small: every short chunk (decodes, draft verification) goes in one padded group, each longer prefill
-chunk in a group of its own.
+small: every short chunk (decodes, draft verification) goes in one padded group, ordered by context
+length (longest first) so that kernels can attend a few sequences at a time and cut each block's keys at
+its own longest context; each longer prefill chunk gets a group of its own.
 
 Per-chunk extensions (see glm5/model/paged.py): `position_ids` (RoPE positions, default the sequence
 indices), `prefix_len` (a bidirectional Part A: keys at sequence index < prefix_len are visible to every
@@ -75,7 +76,8 @@ def build_metadata(chunks: list[SeqChunk], block_size: int, device) -> tuple[tor
     if any(c.adapter_id >= 0 for c in chunks):
         meta.adapter_ids = torch.tensor([c.adapter_id for c in chunks for _ in c.token_ids], device=device)
     batch = _Batch(n_tok, start, offsets, table, torch.tensor([c.prefix_len for c in chunks]), block_size)
-    short = [i for i, c in enumerate(chunks) if c.num_tokens <= SHORT_CHUNK]
+    short = sorted((i for i, c in enumerate(chunks) if c.num_tokens <= SHORT_CHUNK),
+                   key=lambda i: -chunks[i].context_len)  # stable: equal lengths keep their order
     long_ = [[i] for i, c in enumerate(chunks) if c.num_tokens > SHORT_CHUNK]
     for members in ([short] if short else []) + long_:
         meta.groups.append(batch.group(members, device))
@@ -111,5 +113,11 @@ class _Batch:
         allowed &= key_valid[:, None, :]  # [B, T, S]
         allowed &= q_valid[:, :, None] | (keys == 0)[None, None, :]  # padded query rows see key 0 only
         identity = len(members) == 1 and T == int(self.offsets[-1])  # one sequence holding the whole step
+        all_valid = bool(q_valid.all())
+        valid_rows = None if all_valid else q_valid.reshape(-1).nonzero()[:, 0]  # [n]
+        out_index = q_index.reshape(-1) if all_valid else q_index.reshape(-1)[valid_rows]  # [n]
+        first = len(members) == 1 and int(st[0]) == 0 and int(self.prefix[m[0]]) == 0
         return AttnGroup(q_index.to(device), q_valid.to(device), q_pos.to(device), key_slots.to(device),
-                         key_valid.to(device), allowed.to(device), is_identity=identity)
+                         key_valid.to(device), allowed.to(device), is_identity=identity, key_lens=ctx.tolist(),
+                         causal_from_start=first, out_index=out_index.to(device),
+                         valid_rows=None if valid_rows is None else valid_rows.to(device))

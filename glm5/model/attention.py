@@ -9,7 +9,8 @@ Execution paths, equal in exact arithmetic:
     kv_b_proj absorbed into the query and the output (memory grows with T*K, never with heads*T*T); when
     the sequence is short (S <= 4K) the selection is applied as a [B, T, S] mask on dense SDPA instead;
   * paged (serving: `PagedContext`): write this step's latent / rope key / indexer key rows into the
-    cache, then per attention group absorbed MLA over the cached rows, dense or over the selected keys.
+    cache, then per attention group absorbed MLA over the cached rows (dense or over the selected keys),
+    or, for prefill chunks where it is cheaper, the dense kernel on K/V expanded from the cached rows.
 The key selection (DSA top-k or the window+global pattern) is the same function on every path.
 
 Dims: B batch, T queries, S keys, H heads, R kv_lora_rank, P qk_rope_head_dim, E nope dim, V v dim, K selected.
@@ -82,11 +83,14 @@ class MLAttention(nn.Module):
         w_uk, _ = self._kv_b()
         return torch.einsum("...he,her->...hr", q_nope, w_uk)
 
+    def latent_to_heads(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Attention output in latent space [.., H, R] -> per-head values [.., H, V] (W_uv)."""
+        _, w_uv = self._kv_b()
+        return torch.einsum("...hr,hvr->...hv", o_lat, w_uv)
+
     def latent_to_output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Attention output in latent space [.., H, R] -> hidden [.., hidden_size] (W_uv then o_proj)."""
-        _, w_uv = self._kv_b()
-        o = torch.einsum("...hr,hvr->...hv", o_lat, w_uv)  # [.., H, V]
-        return self.o_proj(o.flatten(-2))
+        return self.o_proj(self.latent_to_heads(o_lat).flatten(-2))
 
     # --- forward ------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: MaskSpec | PagedContext,
@@ -154,21 +158,63 @@ class MLAttention(nn.Module):
         if self.indexer is not None and any(self.needs_selection(g.num_keys) for g in meta.groups):
             qi, wi = self.indexer.project_q(x, q_resid, cos, sin)
             qi, wi = qi[0], wi[0]  # [N, I, D], [N, I]
-        qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)[0]  # [N, H, R+P]
-        sels, o_lat = [], None
-        for gi, g in enumerate(meta.groups):
-            sel = None
-            if self.needs_selection(g.num_keys):
-                sel = self._select_group(g, qi, wi, cache, None if prev_sel is None else prev_sel[gi])
-            sels.append(sel)
-            o = self._attend_group(g, qq, cache.latent[layer], sel)  # [B, T, H, R]
-            if g.is_identity:
-                o_lat = o[0]  # [N, H, R]: the group is the whole step, in order
+        q_nope, q_rope = q_nope[0], q_rope[0]  # [N, H, E], [N, H, P]
+        latent, N = cache.latent[layer], q_nope.shape[0]
+        sels = [None if not self.needs_selection(g.num_keys) else
+                self._select_group(g, qi, wi, cache, None if prev_sel is None else prev_sel[gi])
+                for gi, g in enumerate(meta.groups)]
+        # per-row kv_b_proj adapters (multi-LoRA) act on the absorbed path only (see glm5/infer/lora.py)
+        expand = [meta.adapter_ids is None and self._expands(g, sel) for g, sel in zip(meta.groups, sels)]
+        mixed = any(expand) and not all(expand)
+        o_lat = o_heads = qq = None  # outputs in latent space [N, H, R] / per head [N, H, V]
+        for g, sel, exp in zip(meta.groups, sels, expand):
+            if exp:
+                og = self._attend_expanded(g, q_nope, q_rope, latent, sel)  # [B, T, H, V]
+                o_heads = _place(o_heads, g, og, N, mixed)
             else:
-                if o_lat is None:
-                    o_lat = qq.new_zeros(qq.shape[0], qq.shape[1], self.kv_rank)
-                o_lat[g.q_index[g.q_valid]] = o[g.q_valid]
-        return self.latent_to_output(o_lat)[None], sels
+                if qq is None:  # absorbed queries, built once for every group that needs them
+                    qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
+                o_lat = _place(o_lat, g, self._attend_group(g, qq, latent, sel), N, mixed)  # [B, T, H, R]
+        if o_heads is None:
+            return self.latent_to_output(o_lat)[None], sels
+        if o_lat is not None:  # both kinds: the zero rows of each contribute nothing to the other's
+            o_heads = o_heads + self.latent_to_heads(o_lat)
+        return self.o_proj(o_heads.flatten(-2))[None], sels
+
+    def _expands(self, g: AttnGroup, sel) -> bool:
+        """Whether to attend this group with per-head K/V (kv_b_proj on the cached latents, then SDPA: the
+        training kernel) instead of absorbed MLA: when it costs fewer multiply-adds, i.e. for prefill
+        chunks (T queries over S keys pay S expansions once); decode rows stay absorbed. Equal in exact
+        arithmetic. Selections wider than a quarter of the keys are applied as a mask, sparser ones keep
+        the gathered latent kernel (as in training)."""
+        T, S = g.q_index.shape[1], g.num_keys
+        if sel is not None and S > DENSE_MASK_RATIO * sel[0].shape[-1]:
+            return False
+        H, E, P, V, R = self.n_heads, self.nope, self.rope, self.v_dim, self.kv_rank
+        absorbed = T * H * (E * R + S * (2 * R + P) + R * V)
+        expanded = S * R * H * (E + V) + T * S * H * (E + P + V) // (2 if g.causal_from_start else 1)
+        return expanded < absorbed
+
+    def _attend_expanded(self, g: AttnGroup, q_nope, q_rope, latent, sel) -> torch.Tensor:
+        """q_nope [N, H, E], q_rope [N, H, P]; the group's cached latents expanded per head -> [B, T, H, V]."""
+        B, T = g.q_index.shape
+        S = g.num_keys
+        lat = latent.index_select(0, g.key_slots.reshape(-1)).view(B, S, -1)  # [B, S, R+P]
+        c_kv, k_rope = lat.split([self.kv_rank, self.rope], dim=-1)
+        if g.is_identity:
+            qn, qr = q_nope[None], q_rope[None]
+        else:
+            flat = g.q_index.reshape(-1)
+            qn = q_nope.index_select(0, flat).view(B, T, self.n_heads, self.nope)
+            qr = q_rope.index_select(0, flat).view(B, T, self.n_heads, self.rope)
+        if sel is not None:  # the selection as a [B, T, S] mask (it only selects allowed keys)
+            allowed = torch.zeros(B, T, S, dtype=torch.bool, device=lat.device).scatter_(-1, sel[0], sel[1])
+            mask = MaskSpec(causal=False, attention_mask=allowed)
+        elif g.causal_from_start:
+            mask = MaskSpec(causal=True)
+        else:
+            mask = MaskSpec(causal=False, attention_mask=g.allowed)
+        return self._dense_heads(qn, qr, c_kv, k_rope, mask)
 
     def _select_group(self, g: AttnGroup, qi, wi, cache, prev_sel) -> Selection:
         """The group's selection over its cached indexer keys (idx = key indices within each sequence)."""
@@ -180,13 +226,20 @@ class MLAttention(nn.Module):
 
     def _attend_group(self, g: AttnGroup, qq: torch.Tensor, latent: torch.Tensor, sel) -> torch.Tensor:
         """Absorbed MLA for one group over cache rows `latent` [slots, R+P] -> [B, T, H, R]."""
-        q = qq[g.q_index]  # [B, T, H, R+P]
+        B, T = g.q_index.shape
+        q = qq[None] if g.is_identity else qq.index_select(0, g.q_index.reshape(-1)).view(B, T, *qq.shape[1:])
         if sel is None:
-            return dense_latent_attention(q, latent[g.key_slots], g.allowed, self.kv_rank, self.scale)
+            return dense_latent_attention(q, latent, g.key_slots, g.allowed, self.kv_rank, self.scale, g.key_lens)
         return gathered_latent_attention(q, latent, g.key_slots, sel[0], sel[1], self.kv_rank, self.scale)
 
     # --- training kernels -----------------------------------------------------------------------------
     def _dense(self, q_nope, q_rope, c_kv, k_rope, mask: MaskSpec) -> torch.Tensor:
+        B, T = q_nope.shape[:2]
+        return self.o_proj(self._dense_heads(q_nope, q_rope, c_kv, k_rope, mask).reshape(B, T, -1))
+
+    def _dense_heads(self, q_nope, q_rope, c_kv, k_rope, mask: MaskSpec) -> torch.Tensor:
+        """Per-head K/V from the latents and SDPA: q_nope [B, T, H, E], q_rope [B, T, H, P], c_kv [B, S, R],
+        k_rope [B, S, P] -> [B, T, H, V]."""
         B, T, S = q_nope.shape[0], q_nope.shape[1], c_kv.shape[1]
         kv = self.kv_b_proj(c_kv).view(B, S, self.n_heads, self.nope + self.v_dim)  # [B, S, H, E+V]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
@@ -207,8 +260,7 @@ class MLAttention(nn.Module):
             allowed = mask.dense(T, S, q.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if allowed is None else allowed[:, None],
                                                scale=self.scale)
-        o = o[..., : self.v_dim]  # [B, H, T, V]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+        return o[..., : self.v_dim].transpose(1, 2)  # [B, T, H, V]
 
     def _sparse(self, q_nope, q_rope, c_kv, k_rope, sel: Selection) -> torch.Tensor:
         """Attend to the selected keys only, in the latent space (the same kernel as the paged path, over
@@ -219,3 +271,15 @@ class MLAttention(nn.Module):
         rows = torch.arange(B * S, device=c_kv.device).view(B, S)  # [B, S] row of each key
         o_lat = gathered_latent_attention(qq, lat, rows, sel[0], sel[1], self.kv_rank, self.scale)  # [B, T, H, R]
         return self.latent_to_output(o_lat)
+
+
+def _place(out: torch.Tensor | None, g: AttnGroup, og: torch.Tensor, n: int, zero: bool) -> torch.Tensor:
+    """Write a group's output og [B, T, H, D] (valid query rows only) into the step's out [N, H, D],
+    allocated on first use (zeros when another kind of group fills the remaining rows, else uninitialised:
+    every token is a valid query of exactly one group)."""
+    if g.is_identity:
+        return og[0]  # the group is the whole step, in order
+    if out is None:
+        out = og.new_zeros(n, *og.shape[2:]) if zero else og.new_empty(n, *og.shape[2:])
+    rows = og.reshape(-1, *og.shape[2:])  # [B*T, H, D]
+    return out.index_copy_(0, g.out_index, rows if g.valid_rows is None else rows.index_select(0, g.valid_rows))

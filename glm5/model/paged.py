@@ -44,6 +44,10 @@ class AttnGroup:
     key_valid: torch.Tensor  # [B, S] bool: key index < the sequence's context length
     allowed: torch.Tensor  # [B, T, S] bool: keys each query may attend to (padded rows: key 0 only)
     is_identity: bool = False  # one group holding every token of the step in order: no output scatter
+    key_lens: list[int] | None = None  # keys of each sequence (its context length); kernels trim padding by it
+    causal_from_start: bool = False  # one sequence, queries = keys 0..S-1, plain causal mask (a first chunk)
+    out_index: torch.Tensor | None = None  # [n] flat token index of each valid query, in [B*T] row order
+    valid_rows: torch.Tensor | None = None  # [n] position of each valid query in [B*T] (None: all valid)
 
     @property
     def num_keys(self) -> int:

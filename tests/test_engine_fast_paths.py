@@ -1,0 +1,78 @@
+"""The engine's fast paths against their plain references on tiny configs: grouped experts vs the
+per-expert loop, the blocked dense latent kernel vs one block, and a mixed paged step (first prefill
+chunks on expanded K/V, a continued chunk, decode rows of different lengths on the absorbed kernel)
+vs the model's training forward of each whole sequence."""
+
+import torch
+
+from glm5.infer.input_batch import SeqChunk, build_metadata
+from glm5.model.kv_cache import LatentKVCache
+from glm5.model.latent_attention import dense_latent_attention
+from glm5.model.moe import MoE, expert_loop, swiglu
+
+from ._tiny import tiny_config, tiny_model
+
+
+def test_grouped_experts_equal_per_expert_loop_with_dropped_assignments():
+    torch.manual_seed(0)
+    m = MoE(tiny_config(n_routed_experts=8, num_experts_per_tok=2))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1, generator=g)
+        gu, dn = m.experts.gate_up_proj, m.experts.down_proj
+        for n in (1, 5, 33):
+            x = torch.randn(n, 64, generator=g)
+            _, _, w, idx = m.gate(x)
+            for keep in (None, torch.rand(n, 2, generator=g) > 0.3):
+                ref = expert_loop(x, idx, w, keep, 8, lambda e, xs: swiglu(xs, gu[e], dn[e]))
+                got = m.experts(x, idx, w, keep)  # no autograd, CPU: the grouped path
+                assert torch.allclose(got, ref, atol=1e-6), (n, keep is None)
+            assert torch.allclose(m.experts(x, idx, w), m.experts.forward_reference(x, idx, w), atol=1e-6)
+
+
+def test_blocked_dense_latent_attention_equals_one_block():
+    """Ragged key counts (longest first), several blocks, and one query row per sequence or two."""
+    g = torch.Generator().manual_seed(0)
+    B, H, W, R, S = 5, 3, 12, 8, 11
+    lens = [11, 9, 6, 6, 2]
+    latent = torch.randn(64, W, generator=g)
+    key_slots = torch.randperm(64, generator=g)[: B * S].view(B, S)
+    for T in (1, 2):
+        qq = torch.randn(B, T, H, W, generator=g)
+        allowed = torch.arange(S)[None, None, :] < torch.tensor(lens)[:, None, None] - torch.arange(T)[None, :, None]
+        ref = dense_latent_attention(qq, latent, key_slots, allowed, R, 0.3)  # one block, every padded key
+        for block_bytes in (1, 2 * 9 * W * 4, 10**9):
+            got = dense_latent_attention(qq, latent, key_slots, allowed, R, 0.3, lens, block_bytes=block_bytes)
+            assert torch.allclose(got, ref, atol=1e-6), (T, block_bytes)
+
+
+def test_mixed_paged_steps_equal_training_forward():
+    model = tiny_model(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    seqs = {k: torch.randint(2, 512, (n,), generator=gen).tolist() for k, n in (("a", 13), ("b", 10), ("c", 20))}
+    blocks = {"a": [0, 1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9, 10, 11]}
+    with torch.no_grad():
+        ref = {k: model(torch.tensor([ids])).logits[0] for k, ids in seqs.items()}
+    cache = LatentKVCache(model.config, num_blocks=12, block_size=4)
+    # (key, start, end) per chunk, one step per list: first chunks (expanded, causal), then a continued
+    # chunk of c next to decode rows of a and b, then decode rows of all three (absorbed, ragged lengths)
+    steps = [[("a", 0, 11), ("b", 0, 9), ("c", 0, 10)],
+             [("a", 11, 12), ("c", 10, 19), ("b", 9, 10)],
+             [("b", 10, 10), ("a", 12, 13), ("c", 19, 20)]]
+    got = {k: [] for k in seqs}
+    attn = model.model.layers[0].self_attn
+    kinds = set()
+    with torch.inference_mode():
+        for step in steps:
+            chunks = [SeqChunk(k, a, seqs[k][a:b], blocks[k]) for k, a, b in step if b > a]
+            flat, meta = build_metadata(chunks, 4, "cpu")
+            kinds |= {attn._expands(g, None) for g in meta.groups}
+            logits = model(flat[None], attn_metadata=meta, kv_cache=cache).logits[0]
+            n = 0
+            for c in chunks:
+                got[c.key].append(logits[n:n + len(c.token_ids)])
+                n += len(c.token_ids)
+    assert kinds == {True, False}  # both kernels ran
+    for k in seqs:
+        assert torch.allclose(torch.cat(got[k]), ref[k], atol=1e-4), k
