@@ -36,6 +36,24 @@ def test_mmlu_prompt_is_lm_eval_template():
     assert tmpl["doc_to_choice"] == ["A", "B", "C", "D"]
 
 
+def test_mmlu_continuation_is_lm_eval_cloze_template(tmp_path):
+    """lm-eval's mmlu_*_continuation: description, `Question: ..\nAnswer:`, the answer texts as choices
+    (after the default target delimiter " "), few-shot examples answered with the text."""
+    tmpl = _lm_eval_yaml("mmlu", "continuation", "_continuation_template_yaml")
+    desc = _lm_eval_yaml("mmlu", "continuation", "mmlu_anatomy.yaml")["description"]
+    task = build_task(TaskConfig(task="mmlu_continuation", data=str(make_mmlu(tmp_path)), num_fewshot=1))
+    docs = task.docs()
+    path, doc = docs[1].data
+    shot = task._shots[path][0]
+    render = lambda d: jinja2.Template(tmpl["doc_to_text"]).render(question=d.question)  # noqa: E731
+    choices = jinja2.Template(tmpl["doc_to_choice"]).render(choices=doc.choices)
+    assert task.choices(doc) == list(doc.choices) and choices == str(list(doc.choices))
+    assert task.describe("anatomy") == desc
+    assert task.context(path, doc) == (task.describe(doc.subject) + render(shot) + " " + shot.choices[shot.answer]
+                                       + "\n\n" + render(doc))
+    assert tmpl["fewshot_config"]["sampler"] == "first_n"
+
+
 def test_ceval_prompt_is_lm_eval_template():
     tmpl = _lm_eval_yaml("ceval", "_default_ceval_yaml")
     desc = _lm_eval_yaml("ceval", "ceval-valid_accountant.yaml")["description"]

@@ -18,10 +18,11 @@ from .generation import ExactTask, QueriesTask
 from .humaneval import STOP, HumanEvalTask
 from .ppl import PerplexityTask
 
-TaskName = Literal["ppl", "mmlu", "ceval", "humaneval", "exact", "queries"]
+TaskName = Literal["ppl", "mmlu", "mmlu_continuation", "ceval", "humaneval", "exact", "queries"]
 BUNDLED = {  # task -> file or directory under glm5/eval/data, or a bundled asset
     "ppl": "bundled:corpus/validation.jsonl.gz",
     "mmlu": "mmlu_corpus",
+    "mmlu_continuation": "mmlu_corpus",
     "ceval": "ceval_corpus",
     "humaneval": "HumanEval.jsonl.gz",
     "exact": "exact_corpus.jsonl",
@@ -86,7 +87,7 @@ def build_task(cfg: TaskConfig) -> Task:
     data = Path(cfg.data) if cfg.data else bundled_path(cfg.task)
     if cfg.task == "ppl":
         return PerplexityTask(data, cfg.text_key)
-    if cfg.task in ("mmlu", "ceval"):
+    if cfg.task in ("mmlu", "mmlu_continuation", "ceval"):
         return ChoiceTask(cfg.task, data, cfg.num_fewshot, cfg.split)
     if cfg.task == "humaneval":
         limits = Limits(cpu_s=max(1, int(cfg.timeout_s + 0.999)), wall_s=cfg.timeout_s + 5)

@@ -10,6 +10,14 @@ file (the first ones, lm-eval's `first_n` sampler), then the question:
 (C-Eval: 以下是中国关于{科目}的单项选择题，请选出其中的正确答案。 and 答案：). Each choice is scored as the
 continuation " A" .. " D"; acc takes the most likely, acc_norm divides by the choice's length in
 characters (lm-eval's definition; equal to acc for letter choices).
+
+`mmlu_continuation` is lm-eval's cloze variant of MMLU (its `mmlu_continuation` tasks): no options in
+the prompt, and each answer *text* is the scored continuation, which small models can do above chance
+where letters are still noise:
+
+    The following are questions (with answers) about {subject}.\n\n
+    Question: {question}\nAnswer: {answer text}\n\n                                   <- each example
+    Question: {question}\nAnswer:
 """
 
 from __future__ import annotations
@@ -33,6 +41,14 @@ def mmlu_question(doc: ChoiceDoc) -> str:
     return f"{doc.question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\nAnswer:"
 
 
+def mmlu_cloze_description(subject: str) -> str:
+    return f"The following are questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+
+
+def mmlu_cloze_question(doc: ChoiceDoc) -> str:
+    return f"Question: {doc.question.strip()}\nAnswer:"
+
+
 def ceval_description(subject: str) -> str:
     names = json.loads(resources.files("glm5.eval").joinpath("data/ceval_subjects.json").read_text("utf-8"))
     return f"以下是中国关于{names.get(subject, subject.replace('_', ' '))}的单项选择题，请选出其中的正确答案。\n\n"
@@ -46,6 +62,7 @@ def ceval_question(doc: ChoiceDoc) -> str:
 STYLES = {  # name -> (reader, description, question, default split)
     "mmlu": (read_mmlu_csv, mmlu_description, mmlu_question, "test"),
     "ceval": (read_ceval_csv, ceval_description, ceval_question, "val"),
+    "mmlu_continuation": (read_mmlu_csv, mmlu_cloze_description, mmlu_cloze_question, "test"),
 }
 
 
@@ -73,19 +90,22 @@ class ChoiceTask(Task):
             out += [Doc(d.id, (str(path), d)) for d in self.read(path)]
         return out
 
+    def choices(self, doc: ChoiceDoc) -> list[str]:
+        """What is scored after the prompt (and a space): the letters, or the answer texts (cloze)."""
+        return list(doc.choices) if self.name == "mmlu_continuation" else list(LETTERS)
+
     def context(self, path: str, doc: ChoiceDoc) -> str:
-        shots = "".join(f"{self.question(s)} {LETTERS[s.answer]}\n\n" for s in self._shots.get(path, []))
+        shots = "".join(f"{self.question(s)} {self.choices(s)[s.answer]}\n\n" for s in self._shots.get(path, []))
         return self.describe(doc.subject) + shots + self.question(doc)
 
     def evaluate(self, model: EvalModel, docs: list[Doc]) -> list[dict]:
-        requests = [(self.context(path, d), f" {letter}") for path, d in (x.data for x in docs)
-                    for letter in LETTERS]
+        requests = [(self.context(path, d), f" {c}") for path, d in (x.data for x in docs) for c in self.choices(d)]
         scores = model.loglikelihood(requests)
         records = []
         for i, doc in enumerate(docs):
             d: ChoiceDoc = doc.data[1]
             lls = [lp for lp, _ in scores[4 * i:4 * i + 4]]
-            norm = [lp / len(letter) for lp, letter in zip(lls, LETTERS)]
+            norm = [lp / len(c) for lp, c in zip(lls, self.choices(d))]  # lm-eval: characters, no delimiter
             records.append({"lls": lls, "gold": d.answer, "subject": d.subject,
                             "acc": float(lls.index(max(lls)) == d.answer),
                             "acc_norm": float(norm.index(max(norm)) == d.answer)})
