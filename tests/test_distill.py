@@ -72,13 +72,18 @@ def test_distill_end_to_end_with_cache(setup, monkeypatch, one_thread):
     calls = []
     orig = Teacher.logits
     monkeypatch.setattr(Teacher, "logits", lambda self, ids: calls.append(ids.shape[0]) or orig(self, ids))
-    summary = build(_cfg(root, teacher, texts, "kd")).fit()
+    trainer = build(_cfg(root, teacher, texts, "kd"))
+    first = sum(calls)  # the teacher ran over every training row before the first step, once each
+    assert first == len(trainer.data.rows) > 0 and first == len(list((root / "cache").glob("*.safetensors")))
+    summary = trainer.fit()
     assert summary["val_loss"] > 0 and (root / "kd" / "final" / "tokenizer.json").is_file()
-    first = sum(calls)
-    assert first > 0 and len(list((root / "cache").glob("*.safetensors"))) == first
+    assert sum(calls) == first  # training itself read the cache only
     calls.clear()
+    real_teacher = distill_run.Teacher
+    monkeypatch.setattr(distill_run, "Teacher", lambda *a, **k: pytest.fail("every row is cached: no teacher load"))
     build(_cfg(root, teacher, texts, "kd-again")).fit()  # same rows: every target comes from the cache
     assert calls == []
+    monkeypatch.setattr(distill_run, "Teacher", real_teacher)
     monkeypatch.setattr(distill_run, "Teacher", lambda *a, **k: pytest.fail("baseline must not load a teacher"))
     build(_cfg(root, teacher, texts, "baseline", "--distill.alpha=1.0")).fit()
 

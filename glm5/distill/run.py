@@ -96,12 +96,24 @@ def build(cfg: DistillConfig) -> Trainer:
                     cfg.train.seed)
     micro_fn = None
     if cfg.distill.alpha < 1:
-        teacher = Teacher(cfg.distill.teacher)
-        cache = cfg.distill.cache_dir or str(Path(cfg.log.run_dir).parent / "teacher_cache")
-        source = (TeacherCache(teacher, cache, cfg.distill.top_k, cfg.distill.temperature) if cfg.distill.top_k
-                  else OnTheFly(teacher, cfg.distill.temperature))
-        micro_fn = kd_micro_fn(source, cfg.distill)
+        micro_fn = kd_micro_fn(_teacher_source(cfg, data), cfg.distill)
     return Trainer(cfg, data=data, micro_fn=micro_fn)
+
+
+def _teacher_source(cfg: DistillConfig, data: TextData):
+    """Top-k: every training row's targets are computed up front (the teacher is loaded only if some
+    are missing from the cache, and freed before training); top_k = 0: the teacher runs per batch."""
+    kd = cfg.distill
+    if not kd.top_k:
+        return OnTheFly(Teacher(kd.teacher), kd.temperature)
+    directory = kd.cache_dir or str(Path(cfg.log.run_dir).parent / "teacher_cache")
+    cache = TeacherCache(None, directory, kd.top_k, kd.temperature)
+    inputs = data.rows[:, :-1]  # [R, seq_len]: what the student sees (a row's last token is only a label)
+    if cache.missing(inputs):
+        cache.teacher = Teacher(kd.teacher)
+        cache.fill(inputs, cfg.text.batch_size, log=print if cfg.log.progress else None)
+        cache.teacher = None  # training reads the disk only
+    return cache
 
 
 def _checkpoint_vocab(name: str) -> int:

@@ -107,6 +107,21 @@ class TeacherCache:
         key = hashlib.sha1(row.to(torch.int64).cpu().numpy().tobytes()).hexdigest()
         return self.dir / f"{key}-k{self.k}-t{self.temperature:g}.safetensors"
 
+    def missing(self, rows: torch.Tensor) -> list[int]:
+        """Indices of `rows` [R, T] whose targets are not on disk yet."""
+        return [i for i, r in enumerate(rows) if not self._path(r).is_file()]
+
+    def fill(self, rows: torch.Tensor, batch_size: int = 8, log=print) -> int:
+        """Compute the targets of every row not cached yet (the teacher's only run: training then reads
+        the disk). Returns the number of rows computed."""
+        todo = self.missing(rows)
+        for start in range(0, len(todo), batch_size):
+            self.targets(rows[todo[start:start + batch_size]])
+            done = min(start + batch_size, len(todo))
+            if log is not None and (done == len(todo) or done // batch_size % 16 == 0):
+                log(f"teacher cache: {done}/{len(todo)} rows computed ({self.dir})")
+        return len(todo)
+
     def targets(self, input_ids: torch.Tensor) -> TeacherTargets:
         paths = [self._path(r) for r in input_ids]
         missing = [i for i, p in enumerate(paths) if not p.is_file()]
