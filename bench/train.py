@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -165,15 +166,13 @@ def single(a) -> None:
         for r in rows:
             print(f"{k:<6}{r['impl']:<56}{r['threads']:>8}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}"
                   f"{r['peak_rss_mb']:>9.0f}{r['peak_flops'] / 1e9:>9.1f}{r['mfu']:>8.1%}")
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    trainer = med([rows[0]["tokens_per_s"] / rows[2]["tokens_per_s"] for rows in rounds])
-    plain = med([rows[1]["tokens_per_s"] / rows[2]["tokens_per_s"] for rows in rounds])
-    print(f"median over rounds: glm5 Trainer / HF tokens/s {trainer:.2f}x, glm5 plain loop / HF {plain:.2f}x, "
+    med = statistics.median
+    ratio = lambda i, j, k="tokens_per_s": med([rows[i][k] / rows[j][k] for rows in rounds])  # noqa: E731
+    print(f"median over rounds: glm5 Trainer / HF tokens/s {ratio(0, 2):.2f}x, glm5 plain loop / HF {ratio(1, 2):.2f}x, "
           f"glm5 Trainer MFU {med([rows[0]['mfu'] for rows in rounds]):.1%}")
-    if a.baseline:
-        print(f"glm5 Trainer / baseline tree's Trainer {med([r[0]['tokens_per_s'] / r[3]['tokens_per_s'] for r in rounds]):.2f}x, "
-              f"baseline / HF {med([r[3]['tokens_per_s'] / r[2]['tokens_per_s'] for r in rounds]):.2f}x, "
-              f"baseline MFU {med([r[3]['mfu'] for r in rounds]):.1%}")
+    if a.baseline:  # MFU ratio: tokens/s per GFLOP/s of each child's own peak, i.e. corrected for the load
+        print(f"glm5 Trainer / baseline tree's Trainer: tokens/s {ratio(0, 3):.2f}x, MFU {ratio(0, 3, 'mfu'):.2f}x; "
+              f"baseline / HF {ratio(3, 2):.2f}x, baseline MFU {med([rows[3]['mfu'] for rows in rounds]):.1%}")
 
 
 LAYOUTS = {"1 process": {}, "fsdp x2": {"data_parallel": 2}, "ep x2": {"expert_parallel": 2},
