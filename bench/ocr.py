@@ -4,12 +4,24 @@
                              [--out docs/ocr-eval.json] [--plots docs/img]
     python bench/ocr.py speed [--pages 5] [--model CKPT]      # pages/s + peak RSS per stage
     python bench/ocr.py report --log eval.log --plots docs/img  # tables + plots from an eval's output
+    python bench/ocr.py tune --model runs/ocr-lm/final --seeds 1 --cache runs/ocr-cache  # round-2 rule
+
+`--cache DIR` (eval, tune) keeps every page's state after round 1 (the recogniser's confusion networks,
+round-1 history) as JSON, so rounds 0-1 run once per page and the language-model round can be
+re-run on exactly the same lines with another model or rule; the agent code is the same either way
+(`OcrAgent.read` through round 1, then `OcrAgent.lm_rounds`).
 
 `eval` reads every (layout, condition, seed) page once with the full agent (`--rounds`, default 2) and
 scores the text as it stood after round 0 (recogniser), round 1 (re-recognition) and round 2+
 (language model): CER and WER of the reading-order text, recognition-only CER (lines matched by
 position), reading-order accuracy, and code indentation accuracy. Pages whose fonts are missing (no
 CJK font -> no `mixed` pages) are skipped and listed.
+
+`tune` searches the language-model round's decision rule (`LmRule`: lm_weight, the confidence under
+which a character may change, the margin a candidate must win by, candidate and edit limits) on pages
+that must not be the evaluation's (`--seeds`, default 1; the evaluation uses seed 0), and keeps the rule
+with the lowest CER on degraded pages among those that do not raise CER over round 1 on clean pages (nor
+on any condition). Language-model scores are cached per text, so a grid costs little more than one rule.
 
 `speed` runs each stage in its own process on the same pages, so peak RSS is per stage: `library`
 (RapidOCR's own det + cls + rec pipeline, the library used alone), `perception` (our detector +
@@ -20,6 +32,7 @@ Run it under `flock /tmp/glm5-bench.lock` on a shared machine.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -27,6 +40,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from dataclasses import asdict
+from itertools import product
 
 import numpy as np
 
@@ -47,24 +62,178 @@ def pages(layouts, conditions, seeds):
                 yield degrade(clean, cond, seed)
 
 
-def evaluate(args) -> dict:
+def page_name(page) -> str:
+    return f"{page.layout}-{page.condition}-{page.seed}"
+
+
+def save_round1(res, path: str) -> None:
+    """A page read through round 1 -> JSON: lines (quad, confusion network, source, history), changes, rounds."""
+    def slots(reading):
+        return [[[t, float(p)] for t, p in s.options] for s in reading.slots]
+
+    lines = [{"quad": ln.quad.tolist(), "slots": slots(ln.reading), "source": ln.source, "history": ln.history,
+              "alternatives": [[name, slots(r)] for name, r in ln.alternatives]} for ln in res.lines]
+    doc = {"name": res.name, "width": res.width, "height": res.height, "lines": lines,
+           "changes": [asdict(c) for c in res.changes], "rounds": res.rounds}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
+def load_round1(path: str, bgr):
+    """Inverse of `save_round1`; the layout is analysed again from the lines, as the agent does after round 1."""
+    from glm5.apps.ocr import ctc, layout  # noqa: PLC0415
+    from glm5.apps.ocr.perception import Line, Reading  # noqa: PLC0415
+    from glm5.apps.ocr.render import Change, PageResult  # noqa: PLC0415
+    with open(path) as f:
+        doc = json.load(f)
+    def reading(slots):
+        return Reading([ctc.Slot([(t, p) for t, p in s]) for s in slots])
+
+    lines = [Line(np.asarray(d["quad"], dtype=np.float32), reading(d["slots"]), d["source"], d["history"],
+                  [(name, reading(s)) for name, s in d["alternatives"]]) for d in doc["lines"]]
+    return PageResult(doc["width"], doc["height"], lines, layout.analyse(lines, bgr),
+                      [Change(**c) for c in doc["changes"]], doc["rounds"], doc["name"])
+
+
+class CachedScorer:
+    """Memoises a scorer's log-probabilities per text (optionally on disk, one JSON file per model)."""
+
+    def __init__(self, scorer, path: str | None = None):
+        self.scorer, self.path, self.calls = scorer, path, 0
+        self.memo: dict[str, float] = {}
+        if path and os.path.exists(path):
+            with open(path) as f:
+                self.memo = json.load(f)
+
+    def logprob(self, texts: list[str]) -> list[float]:
+        todo = list(dict.fromkeys(t for t in texts if t not in self.memo))
+        if todo:
+            self.calls += len(todo)
+            self.memo.update(zip(todo, self.scorer.logprob(todo)))
+        return [self.memo[t] for t in texts]
+
+    def save(self) -> None:
+        if self.path:
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self.memo, f, ensure_ascii=False)
+            os.replace(self.path + ".tmp", self.path)
+
+
+def read_through_round1(agent, page, cache: str | None):
+    """(result after round 1, BGR page, seconds spent reading): from the cache when it holds the page."""
+    rgb = np.asarray(page.image)
+    bgr = np.ascontiguousarray(rgb[:, :, ::-1])
+    path = os.path.join(cache, page_name(page) + ".json") if cache else None
+    if path and os.path.exists(path):
+        return load_round1(path, bgr), bgr, None
+    t = time.perf_counter()
+    res = agent.read(rgb, page_name(page), rounds=1)
+    seconds = time.perf_counter() - t
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        save_round1(res, path)
+    return res, bgr, seconds
+
+
+def score_page(res, page, rounds: int) -> dict:
+    row = {"layout": page.layout, "condition": page.condition, "seed": page.seed}
+    for r in range(rounds + 1):
+        row[f"cer{r}"] = M.cer(res.reading_text(r), page.text())
+        row[f"wer{r}"] = M.wer(res.reading_text(r), page.text())
+        row[f"line_cer{r}"] = M.line_cer(res, page, r)
+    return row
+
+
+def make_agent(args):
     from glm5.apps.ocr.agent import OcrAgent, OcrConfig  # noqa: PLC0415
-    agent = OcrAgent(OcrConfig(rounds=args.rounds, model=args.model, lm_weight=args.lm_weight))
+    opts = {k: v for k, v in (("lm_weight", args.lm_weight), ("lm_threshold", args.lm_threshold),
+                              ("lm_margin", args.lm_margin), ("max_candidates", args.max_candidates),
+                              ("max_edits", args.max_edits)) if v is not None}
+    return OcrAgent(OcrConfig(rounds=args.rounds, model=args.model, **opts))
+
+
+def evaluate(args) -> dict:
+    agent = make_agent(args)
+    rule = agent.config.lm_rule
+    scorer = CachedScorer(agent.scorer) if agent.scorer is not None else None
     rows = []
     for page in pages(args.layouts, args.conditions, args.seeds):
         t = time.perf_counter()
-        res = agent.read(np.asarray(page.image), f"{page.layout}-{page.condition}-{page.seed}")
-        row = {"layout": page.layout, "condition": page.condition, "seed": page.seed,
-               "seconds": time.perf_counter() - t, "rounds": res.rounds, "changes": len(res.changes),
-               "reading_order": M.reading_order_accuracy(res, page), "indent": M.indent_accuracy(res, page)}
-        for r in range(args.rounds + 1):
-            row[f"cer{r}"] = M.cer(res.reading_text(r), page.text())
-            row[f"wer{r}"] = M.wer(res.reading_text(r), page.text())
-            row[f"line_cer{r}"] = M.line_cer(res, page, r)
+        if args.cache is None:  # the whole agent in one call
+            res, seconds = agent.read(np.asarray(page.image), page_name(page)), None
+        else:
+            res, bgr, seconds = read_through_round1(agent, page, args.cache)
+            if args.rounds >= 2 and scorer is not None:
+                agent.lm_rounds(res, bgr, args.rounds, rule, scorer)
+        row = score_page(res, page, args.rounds) | {
+            "seconds": time.perf_counter() - t, "seconds_rounds01": seconds, "rounds": res.rounds,
+            "changes": len(res.changes), "reading_order": M.reading_order_accuracy(res, page),
+            "indent": M.indent_accuracy(res, page),
+            "lm_changes": [[c.before.strip(), c.after.strip()] for c in res.changes if c.round >= 2]}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
-    return {"rounds": args.rounds, "model": args.model, "lm_weight": args.lm_weight, "pages": rows,
-            "summary": summarise(rows, args.rounds)}
+        print(json.dumps({k: v for k, v in row.items() if k != "rounds"}, ensure_ascii=False), flush=True)
+    return {"rounds": args.rounds, "model": args.model, "rule": asdict(rule), "cache": args.cache,
+            "pages": rows, "summary": summarise(rows, args.rounds)}
+
+
+TUNE_GRID = {"alternatives": [False, True], "lm_weight": [0.25, 0.5, 1.0, 1.5], "threshold": [0.5, 0.7, 0.9],
+             "min_margin": [0.0, 1.0, 2.0, 4.0, 6.0], "max_candidates": [8, 16], "max_edits": [1, 3]}
+
+
+def tune(args) -> dict:
+    """Grid search of the round-2 rule on cached round-1 pages (see the module docstring)."""
+    from glm5.apps.ocr.correct import LmRule  # noqa: PLC0415
+    if args.cache is None:
+        raise SystemExit("tune: --cache DIR is required (rounds 0-1 are read once per page)")
+    if 0 in args.seeds:
+        raise SystemExit("tune: seed 0 holds the evaluation pages; tune on other seeds")
+    agent = make_agent(args)
+    scorer = CachedScorer(agent.scorer, os.path.join(args.cache, f"lm-{_model_tag(args.model)}.json"))
+    loaded = []
+    for page in pages(args.layouts, args.conditions, args.seeds):
+        res, bgr, seconds = read_through_round1(agent, page, args.cache)
+        print(f"round 1 ready: {page_name(page)} ({'cached' if seconds is None else f'{seconds:.0f} s'})", flush=True)
+        loaded.append((page, bgr, res))
+    grid = json.loads(args.grid) if args.grid else TUNE_GRID
+    results = []
+    for values in product(*grid.values()):
+        rule = LmRule(**dict(zip(grid, values)))
+        rows = []
+        for page, bgr, base in loaded:
+            res = copy.deepcopy(base)
+            agent.lm_rounds(res, bgr, 2, rule, scorer)
+            rows.append({"condition": page.condition, "lm_changes": sum(c.round >= 2 for c in res.changes)}
+                        | {f"cer{r}": M.cer(res.reading_text(r), page.text()) for r in range(3)})
+        by_cond = summarise(rows, 2)["condition"]
+        results.append({"rule": asdict(rule), "by_condition": {c: g["cer"] for c, g in by_cond.items()},
+                        "clean": _rates(rows, True), "degraded": _rates(rows, False),
+                        "lm_changes": sum(r["lm_changes"] for r in rows)})
+        print(json.dumps(results[-1]), flush=True)
+        scorer.save()
+    best = choose(results)
+    print("best:", json.dumps(best), flush=True)
+    return {"model": args.model, "seeds": args.seeds, "conditions": args.conditions, "layouts": args.layouts,
+            "pages": len(loaded), "grid": grid, "best": best, "results": results}
+
+
+def _rates(rows, clean: bool) -> list[float]:
+    sel = [r for r in rows if (r["condition"] == "clean") == clean]
+    return [_rate(sel, f"cer{k}") for k in range(3)]
+
+
+def choose(results: list[dict]) -> dict:
+    """The rule with the lowest degraded CER after round 2 among those that raise CER over round 1 on
+    no condition (clean first of all); ties go to the larger margin, then the smaller lm_weight."""
+    safe = [r for r in results if all(c[2] <= c[1] for c in r["by_condition"].values())]
+    pool = safe or results
+    return min(pool, key=lambda r: (round(r["degraded"][2], 6), round(r["clean"][2], 6),
+                                    -r["rule"]["min_margin"], r["rule"]["lm_weight"]))
+
+
+def _model_tag(model: str | None) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in os.path.abspath(model or "none"))[-80:]
 
 
 def summarise(rows, rounds) -> dict:
@@ -153,14 +322,20 @@ def speed(args) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=["eval", "speed", "report", "_stage"])
+    ap.add_argument("mode", choices=["eval", "tune", "speed", "report", "_stage"])
     ap.add_argument("--log", default=None, help="report: an `eval` run's stdout (one JSON line per page)")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--conditions", nargs="+", default=list(CONDITIONS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None, help="glm5 checkpoint for the language-model round")
-    ap.add_argument("--lm-weight", type=float, default=0.5)
+    ap.add_argument("--lm-weight", type=float, default=None, help="default: OcrConfig's")
+    ap.add_argument("--lm-threshold", type=float, default=None)
+    ap.add_argument("--lm-margin", type=float, default=None)
+    ap.add_argument("--max-candidates", type=int, default=None)
+    ap.add_argument("--max-edits", type=int, default=None)
+    ap.add_argument("--cache", default=None, help="eval/tune: directory of pages read through round 1")
+    ap.add_argument("--grid", default=None, help="tune: JSON {LmRule field: [values]} (default TUNE_GRID)")
     ap.add_argument("--pages", type=int, default=5, help="speed: layouts used (x clean + combo)")
     ap.add_argument("--stage", default="library")
     ap.add_argument("--out", default=None)
@@ -174,7 +349,7 @@ def main(argv=None) -> int:
             rows = [json.loads(line) for line in f if line.startswith("{\"layout\"")]
         result = {"rounds": args.rounds, "pages": rows, "summary": summarise(rows, args.rounds)}
     else:
-        result = evaluate(args) if args.mode == "eval" else {"speed": speed(args)}
+        result = {"eval": evaluate, "tune": tune}.get(args.mode, lambda a: {"speed": speed(a)})(args)
     if args.mode in ("eval", "report"):
         print(json.dumps(result["summary"], indent=1))
         if args.plots:

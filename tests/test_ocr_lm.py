@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm5.apps.ocr import ctc
-from glm5.apps.ocr.correct import lm_correct
+from glm5.apps.ocr.correct import LmRule, lm_correct
 from glm5.apps.ocr.lm import LMScorer
 from glm5.apps.ocr.perception import Line, Reading
 from glm5.data.tokenizer import load_tokenizer
@@ -15,6 +15,7 @@ from glm5.model.config import ModelConfig
 from glm5.model.model import GLM5ForCausalLM
 
 TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
+RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2)
 
 
 def test_scorer_matches_unpadded_forward(one_thread):
@@ -61,8 +62,8 @@ def test_language_model_round_corrects_records_and_settles():
     lines = page()
     scorer = KeywordScorer("cat", bonus=5.0)
     settled = set()
-    changes, summary = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, scorer, threshold=0.9, lm_weight=1.0,
-                                  max_candidates=8, max_edits=2, settled=settled, round_no=2)
+    changes, summary = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, scorer, RULE, settled=settled,
+                                  round_no=2)
     assert lines[1].reading.text == "cat sat"
     assert [(c.round, c.line, c.before, c.after) for c in changes] == [(2, 1, "cot sat", "cat sat")]
     assert "language model" in changes[0].why
@@ -76,9 +77,8 @@ def test_language_model_round_corrects_records_and_settles():
 
 def test_weak_language_model_does_not_override_the_recogniser():
     lines = page()
-    changes, _ = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", bonus=0.3),
-                            threshold=0.9, lm_weight=1.0, max_candidates=8, max_edits=2, settled=set(),
-                            round_no=2)
+    changes, _ = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", bonus=0.3), RULE,
+                            settled=set(), round_no=2)
     # recogniser: log(0.35 / 0.6) = -0.54 outweighs the +0.3 bonus
     assert changes == [] and lines[1].reading.text == "cot sat"
     assert math.log(0.35 / 0.6) + 0.3 < 0
@@ -91,6 +91,62 @@ def test_text_after_each_round_comes_from_the_change_history():
     for k, ln in enumerate(lines):
         ln.quad = torch.tensor([[0, 30 * k], [200, 30 * k], [200, 30 * k + 20], [0, 30 * k + 20]]).float().numpy()
     res = PageResult(300, 100, lines, analyse(lines, None))
-    lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), 0.9, 1.0, 8, 2, set(), 2)
+    lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), RULE, set(), 2)
     assert res.reading_text() == "the black\ncat sat\non a mat"
     assert res.reading_text(after_round=1) == res.reading_text(after_round=0) == "the black\ncot sat\non a mat"
+
+
+def test_rule_margin_and_threshold_keep_the_recogniser_reading():
+    # "cat sat" leads "cot sat" by 5 + log(0.35 / 0.6) = 4.46 nats with lm_weight 1
+    lead = 5.0 + math.log(0.35 / 0.6)
+    for margin, changed in ((lead - 0.1, True), (lead + 0.1, False)):
+        lines = page()
+        rule = LmRule(lm_weight=1.0, threshold=0.9, min_margin=margin, max_candidates=8, max_edits=2)
+        changes, _ = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), rule, set(), 2)
+        assert (lines[1].reading.text == "cat sat") == changed and len(changes) == int(changed)
+    # a character at 0.6 is not doubtful under a 0.5 threshold: the line is not even scored
+    lines, scorer = page(), KeywordScorer("cat", 5.0)
+    changes, summary = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, scorer,
+                                  LmRule(lm_weight=1.0, threshold=0.5), set(), 2)
+    assert changes == [] and scorer.calls == [] and summary["examined"] == 0
+
+
+def test_rule_rejects_bad_values():
+    for bad in ({"lm_weight": -1}, {"threshold": 0.0}, {"min_margin": -0.5}, {"max_candidates": 1}):
+        with pytest.raises(ValueError):
+            LmRule(**bad)
+
+
+def plain(text: str, conf: float = 0.95, odd: dict[int, float] = {}) -> Reading:  # noqa: B006 - read only
+    return Reading([ctc.Slot([(ch, odd.get(k, conf)), ("", 1 - odd.get(k, conf))]) for k, ch in enumerate(text)])
+
+
+def test_round_one_readings_vote_on_the_stretches_where_they_disagree():
+    from glm5.apps.ocr.correct import SpanSlot, chosen_reading, merged_slots
+    cur = plain("the fle is")
+    alts = [("raw", plain("the file is", odd={5: 0.4})), ("upscaled", plain("the fle is"))]
+    slots = merged_slots(cur, alts)
+    spans = [s for s in slots if isinstance(s, SpanSlot)]
+    assert len(spans) == 1 and "".join(s.best for s in slots) == "the fle is"
+    # two readings spell nothing there (probability 1 each), one spells "i" with 0.4: 2 : 0.4
+    (t0, p0), (t1, p1) = spans[0].options
+    assert (t0, t1) == ("", "i") and p0 == pytest.approx(2 / 2.4) and p1 == pytest.approx(0.4 / 2.4)
+    k = slots.index(spans[0])
+    fixed = chosen_reading(slots, tuple(1 if j == k else 0 for j in range(len(slots))))
+    assert fixed.text == "the file is" and fixed.char_confs[5] == pytest.approx(0.4)
+    assert len(fixed.char_confs) == len("the file is")
+    # readings that agree add nothing to search
+    assert merged_slots(cur, [("raw", plain("the fle is"))]) == cur.slots
+
+
+def test_language_model_round_can_take_a_stretch_from_another_reading():
+    quad = torch.zeros(4, 2).numpy()
+    lines = [Line(quad, plain("open the fle"), "binarised",
+                  alternatives=[("raw", plain("open the file", odd={10: 0.4})), ("padded", plain("open the fle"))])]
+    scorer = KeywordScorer("file", bonus=5.0)
+    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, threshold=0.9), set(), 2)
+    assert lines[0].reading.text == "open the file" and len(changes) == 1
+    lines[0].reading = plain("open the fle")  # without alternatives there is nothing to choose from
+    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, threshold=0.9, alternatives=False),
+                            set(), 2)
+    assert changes == [] and lines[0].reading.text == "open the fle"

@@ -34,6 +34,10 @@ class OcrConfig:
     """glm5 checkpoint directory (with tokenizer.json) for the language-model rounds; None skips them."""
     lm_weight: float = 0.5
     """Weight of the language model's log-probability against the recogniser's."""
+    lm_threshold: float = 0.9
+    """Language-model rounds change only characters under this confidence (lines with none are skipped)."""
+    lm_margin: float = 0.0
+    """Nats by which a candidate's score must beat the recogniser's reading before it replaces it."""
     max_candidates: int = 8
     """Candidate readings scored per doubtful line."""
     max_edits: int = 3
@@ -48,10 +52,12 @@ class OcrConfig:
             raise ValueError("rounds: must be >= 0")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError("threshold: must be in (0, 1]")
-        if self.lm_weight < 0:
-            raise ValueError("lm_weight: must be >= 0")
-        if self.max_candidates < 2 or self.max_edits < 1:
-            raise ValueError("max_candidates: must be >= 2 and max_edits >= 1")
+        self.lm_rule  # validates the language-model fields
+
+    @property
+    def lm_rule(self) -> correct.LmRule:
+        return correct.LmRule(lm_weight=self.lm_weight, threshold=self.lm_threshold, min_margin=self.lm_margin,
+                              max_candidates=self.max_candidates, max_edits=self.max_edits)
 
 
 class OcrAgent:
@@ -90,23 +96,26 @@ class OcrAgent:
         res = PageResult(rgb.shape[1], rgb.shape[0], lines, layout.analyse(lines, bgr), changes, summaries, name)
         if rounds >= 2 and self.scorer is None:
             res.rounds.append({"round": 2, "kind": "language-model", "skipped": "no correction model configured"})
-        elif rounds >= 2 and self._lm_rounds(res, rounds):
-            res.layout = layout.analyse(lines, bgr)  # corrected texts may change list/code typing
+        elif rounds >= 2:
+            self.lm_rounds(res, bgr, rounds, self.config.lm_rule)
         return res
 
-    def _lm_rounds(self, res: PageResult, rounds: int) -> bool:
-        """Language-model rounds 2..rounds; True when some line changed."""
-        cfg = self.config
+    def lm_rounds(self, res: PageResult, bgr: np.ndarray | None, rounds: int, rule: correct.LmRule,
+                  scorer=None) -> bool:
+        """Language-model rounds 2..rounds on a page read through round 1, in place (`scorer`
+        defaults to the agent's); True when some line changed (the layout is then analysed again)."""
+        scorer = scorer or self.scorer
         order = res.layout.reading_order()
         block_of = {i: n for n, b in enumerate(res.layout.blocks) for i in b.lines}
         code = {i for b in res.layout.blocks if b.kind == "code" for i in b.lines}
         settled: set[int] = set()
         for round_no in range(2, rounds + 1):
-            changes, summary = correct.lm_correct(res.lines, order, block_of, self.scorer, cfg.threshold,
-                                                  cfg.lm_weight, cfg.max_candidates, cfg.max_edits, settled,
-                                                  round_no, code)
+            changes, summary = correct.lm_correct(res.lines, order, block_of, scorer, rule, settled, round_no, code)
             res.changes += changes
             res.rounds.append(summary)
             if not changes:
                 break
-        return any(c.round >= 2 for c in res.changes)
+        changed = any(c.round >= 2 for c in res.changes)
+        if changed:
+            res.layout = layout.analyse(res.lines, bgr)  # corrected texts may change list/code typing
+        return changed

@@ -5,16 +5,19 @@ in several ways (padded, upscaled and denoised, binarised and deskewed) and read
 with the best mean slot confidence wins if it beats the current one by `MIN_GAIN`.
 
 Rounds 2+ (`lm_correct`): the remaining doubtful lines get candidate readings from their confusion
-networks (rivals, deletions, insertions at doubtful slots only, at most `max_edits` of them), and a
-glm5 language model scores each candidate inside its neighbouring lines. A candidate's score is
-`lm_weight * log P_lm(context with candidate) + log P_recogniser(candidate)` (a noisy-channel
-combination); the best one is kept.
+networks (rivals, deletions, insertions at doubtful slots only, at most `max_edits` of them) and, where
+round 1 read the line several ways, from the stretches where those readings disagree (`merged_slots`:
+the crops vote on each stretch). A glm5 language model scores each candidate inside its neighbouring
+lines: `lm_weight * log P_lm(context with candidate) + log P_recogniser(candidate)` (a noisy-channel
+combination). The best candidate replaces the recogniser's reading only if it leads it by
+`min_margin` nats (`LmRule`, tuned on pages apart from the evaluation's: docs/ocr.md).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
 
 import numpy as np
 
@@ -86,6 +89,7 @@ def rerecognise(lines: list[Line], bgr: np.ndarray, recognizer: Recognizer, thre
     best: dict[int, tuple[float, str, Reading]] = {}
     for (i, name), r in zip(owners, readings):
         s = slot_score(r)
+        lines[i].alternatives.append((name, r))
         if s > best.get(i, (-1.0,))[0]:
             best[i] = (s, name, r)
     changes = []
@@ -98,6 +102,7 @@ def rerecognise(lines: list[Line], bgr: np.ndarray, recognizer: Recognizer, thre
             continue
         before = lines[i].reading.text
         lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
+        lines[i].alternatives = [(lines[i].source, lines[i].reading)] + [a for a in lines[i].alternatives if a[1] is not r]
         lines[i].reading, lines[i].source = r, name
         if r.text != before:
             changes.append(Change(round_no, i, before, r.text,
@@ -155,39 +160,137 @@ def candidates(slots: list[ctc.Slot], threshold: float, max_candidates: int = 16
 
 
 def chosen_reading(slots: list[ctc.Slot], choice: tuple[int, ...]) -> Reading:
-    """The reading that spells `choice`: each slot's chosen option moved to the front."""
-    return Reading([ctc.Slot([s.options[k]] + [o for j, o in enumerate(s.options) if j != k])
-                    for s, k in zip(slots, choice)])
+    """The reading that spells `choice`: each slot's chosen option moved to the front; a `SpanSlot`
+    is replaced by the chosen reading's own slots for that stretch (so every character keeps its
+    recogniser confidence and rivals)."""
+    out: list[ctc.Slot] = []
+    for s, k in zip(slots, choice):
+        if isinstance(s, SpanSlot):
+            out += s.pieces[k]
+        else:
+            out.append(ctc.Slot([s.options[k]] + [o for j, o in enumerate(s.options) if j != k]))
+    return Reading(out)
 
 
-def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], scorer, threshold: float,
-               lm_weight: float, max_candidates: int, max_edits: int, settled: set[int], round_no: int,
-               code_lines: set[int] = frozenset()) -> tuple[list[Change], dict]:
+@dataclass
+class SpanSlot(ctc.Slot):
+    """A stretch of the line where round 1's readings disagree: one option per distinct text (the
+    current reading's first, whatever its weight), `pieces[k]` the slots that spell option k."""
+
+    pieces: list[list[ctc.Slot]] = field(default_factory=list)
+
+
+def merged_slots(reading: Reading, alternatives: list[tuple[str, Reading]]) -> list[ctc.Slot]:
+    """The reading's confusion network with every stretch where an alternative reading spells something
+    else turned into one `SpanSlot`. Option weights vote like ROVER: each reading adds its own
+    probability of the stretch (product of its characters' confidences) to the text it spells, and
+    the weights are normalised, so a stretch that several crops read alike is more certain."""
+    cur = reading.slots
+    keys = [s.best for s in cur]
+    aligned, blocks = [], []
+    for _, alt in alternatives:
+        ops = SequenceMatcher(None, keys, [s.best for s in alt.slots], autojunk=False).get_opcodes()
+        aligned.append((alt, ops))
+        blocks += [(i1, i2) for tag, i1, i2, _, _ in ops if tag != "equal"]
+    regions: list[list[int]] = []
+    for lo, hi in sorted(blocks):  # overlapping or touching blocks of any alternative form one region
+        if regions and lo <= regions[-1][1]:
+            regions[-1][1] = max(regions[-1][1], hi)
+        else:
+            regions.append([lo, hi])
+    out, done = [], 0
+    for lo, hi in regions:
+        weights: dict[str, float] = {}
+        pieces: dict[str, tuple[float, list[ctc.Slot]]] = {}
+        for slots in [cur[lo:hi]] + [alt.slots[_map(ops, lo, True):_map(ops, hi, False)] for alt, ops in aligned]:
+            text = "".join(s.best for s in slots)
+            p = math.exp(sum(math.log(max(s.conf, 1e-6)) for s in slots))
+            weights[text] = weights.get(text, 0.0) + p
+            if text not in pieces or p > pieces[text][0]:  # spell it with the surest reading's slots
+                pieces[text] = (p, slots)
+        if len(weights) < 2:
+            continue
+        total = sum(weights.values())
+        first = "".join(s.best for s in cur[lo:hi])
+        texts = [first] + sorted((t for t in weights if t != first), key=lambda t: -weights[t])
+        out += cur[done:lo]
+        out.append(SpanSlot([(t, weights[t] / total) for t in texts], [list(cur[lo:hi])] + [pieces[t][1] for t in texts[1:]]))
+        done = hi
+    return out + cur[done:]
+
+
+def _map(ops: list[tuple], x: int, start: bool) -> int:
+    """Position in the other sequence of boundary `x` of the first (opcodes from `SequenceMatcher`);
+    an insertion exactly at `x` falls after a start boundary and before an end boundary."""
+    hits = [op for op in ops if op[1] <= x <= op[2]]
+    tag, i1, i2, j1, j2 = hits[0] if start else hits[-1]
+    if tag == "equal":
+        return j1 + (x - i1)
+    return j1 if (start and x == i1) or (not start and x != i2) else j2
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmRule:
+    """When a language-model round may replace the recogniser's reading (see docs/ocr.md for how the
+    defaults were tuned on pages apart from the evaluation's)."""
+
+    lm_weight: float = 0.5
+    """Weight of the language model's log-probability against the recogniser's."""
+    threshold: float = 0.9
+    """Only characters (and optional insertions) under this confidence may change; a line with none is
+    not examined."""
+    min_margin: float = 0.0
+    """Nats by which the best candidate's score must beat the recogniser's own reading's to replace it."""
+    max_candidates: int = 8
+    """Candidate readings scored per doubtful line."""
+    max_edits: int = 3
+    """Most characters (or disagreeing stretches) one line may change."""
+    alternatives: bool = True
+    """Also draw candidates from round 1's other readings of the line (`merged_slots`)."""
+
+    def __post_init__(self):
+        if self.lm_weight < 0:
+            raise ValueError("lm_weight: must be >= 0")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ValueError("lm_threshold: must be in (0, 1]")
+        if self.min_margin < 0:
+            raise ValueError("lm_margin: must be >= 0")
+        if self.max_candidates < 2 or self.max_edits < 1:
+            raise ValueError("max_candidates: must be >= 2 and max_edits >= 1")
+
+
+def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], scorer, rule: LmRule,
+               settled: set[int], round_no: int, code_lines: set[int] = frozenset()) -> tuple[list[Change], dict]:
     """One language-model round over the doubtful, unsettled lines (in reading order)."""
     changes, examined = [], 0
     for pos, i in enumerate(order):
-        if i in settled or not doubtful(lines[i], threshold):
+        if i in settled:
             continue
-        cands = candidates(lines[i].reading.slots, threshold, max_candidates, max_edits=max_edits)
+        slots = (merged_slots(lines[i].reading, lines[i].alternatives) if rule.alternatives
+                 else lines[i].reading.slots)
+        if not any(s.conf < rule.threshold for s in slots):
+            continue
+        cands = candidates(slots, rule.threshold, rule.max_candidates, max_edits=rule.max_edits)
         if len(cands) < 2:
             settled.add(i)
             continue
         examined += 1
         prefix, suffix = _context(lines, order, block_of, pos)
-        texts = [c.text(lines[i].reading.slots).strip() for c in cands]
+        texts = [c.text(slots).strip() for c in cands]
         sep = "\n" if i in code_lines else None
         full = [_join(prefix + [t] + suffix, sep) for t in texts]
         lm = scorer.logprob(full)
-        totals = [lm_weight * a + c.rec_logprob for a, c in zip(lm, cands)]
+        totals = [rule.lm_weight * a + c.rec_logprob for a, c in zip(lm, cands)]
         ranked = sorted(range(len(cands)), key=lambda k: -totals[k])
         best, runner_up = ranked[0], ranked[1]
         if totals[best] - totals[runner_up] > math.log(9.0):  # posterior >= 0.9 among the top two
             settled.add(i)
-        if best == 0:
+        # cands[0] is the recogniser's reading: keep it unless the winner leads it by the margin
+        if best == 0 or totals[best] - totals[0] < rule.min_margin:
             continue
         before = lines[i].reading.text
         lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
-        lines[i].reading = chosen_reading(lines[i].reading.slots, cands[best].choice)
+        lines[i].reading = chosen_reading(slots, cands[best].choice)
         lines[i].source = "language-model"
         changes.append(Change(round_no, i, before, lines[i].reading.text,
                               f"language model preferred it among {len(cands)} candidates: score "
@@ -195,7 +298,7 @@ def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], sc
                               f"(lm {lm[best]:.2f} vs {lm[0]:.2f}, recogniser {cands[best].rec_logprob:.2f} "
                               f"vs {cands[0].rec_logprob:.2f})"))
     summary = {"round": round_no, "kind": "language-model", "examined": examined, "changed": len(changes),
-               "doubtful_after": sum(doubtful(ln, threshold) for ln in lines)}
+               "doubtful_after": sum(doubtful(ln, rule.threshold) for ln in lines)}
     return changes, summary
 
 

@@ -64,6 +64,8 @@ class Line:
     reading: Reading
     source: str = "raw"  # which crop variant produced the reading (round 1 may replace it)
     history: list[dict] = field(default_factory=list)
+    alternatives: list[tuple[str, Reading]] = field(default_factory=list)
+    """Round 1's other readings of this line (source, reading): the language-model rounds draw candidates from them."""
 
     @property
     def box(self) -> tuple[float, float, float, float]:
