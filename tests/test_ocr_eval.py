@@ -25,6 +25,14 @@ def test_pages_are_reproducible_and_degradations_move_boxes():
     assert {ln.indent for ln in code.lines if ln.kind == "code"} == {0, 4, 8}
 
 
+# CER after round 1 on each layout's clean seed-0 page, measured 0.49 / 3.61 / 0.19 / 1.24 / 4.23 %
+# (single / two_column / table / code / mixed; the same to the character with 1 or all onnxruntime
+# threads and at load averages 2-15), limits = measured + max(1 point, 30%), rounded up to 0.5 points.
+# The code page read 6.31% while the detector dropped its docstring line (RapidOCR's box threshold 0.5):
+# this test caught that.
+CER_LIMITS = {"single": 0.015, "two_column": 0.05, "table": 0.015, "code": 0.025, "mixed": 0.06}
+
+
 @pytest.mark.slow
 def test_agent_on_generated_pages():
     pytest.importorskip("rapidocr_onnxruntime")
@@ -39,9 +47,7 @@ def test_agent_on_generated_pages():
         page = render_page(layout, pool, 0)
         res = agent.read(np.asarray(page.image))
         edits, n = M.cer(res.reading_text(), page.text())
-        # PP-OCRv4 drops spaces in code and misses some traditional characters on the mixed page
-        limit = {"code": 0.10, "mixed": 0.20}.get(layout, 0.05)
-        assert edits / n < limit, (layout, res.reading_text())
+        assert edits / n < CER_LIMITS[layout], (layout, edits, n, res.reading_text())
         assert M.reading_order_accuracy(res, page) > 0.97, layout
         if layout == "table":
             assert any(b.kind == "table" for b in res.layout.blocks)

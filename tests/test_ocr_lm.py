@@ -150,3 +150,17 @@ def test_language_model_round_can_take_a_stretch_from_another_reading():
     changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, threshold=0.9, alternatives=False),
                             set(), 2)
     assert changes == [] and lines[0].reading.text == "open the fle"
+
+
+def test_candidates_keep_the_recognisers_reading_first_when_another_choice_spells_it():
+    from glm5.apps.ocr.correct import SpanSlot, candidates
+    # the stretch's current text "ab" (0.2) spelled again by its rival "a" (0.8) plus an optional
+    # insertion "b" (0.4): that choice is likelier than the greedy one (0.32 > 0.12) and reads the same
+    slots = [ctc.Slot([("x", 0.99)]),
+             SpanSlot([("ab", 0.2), ("a", 0.8)], [[ctc.Slot([("a", 0.9)]), ctc.Slot([("b", 0.9)])],
+                                                 [ctc.Slot([("a", 0.9)])]]),
+             ctc.Slot([("", 0.6), ("b", 0.4)])]
+    cands = candidates(slots, 0.9, max_candidates=8)
+    texts = [c.text(slots) for c in cands]
+    assert cands[0].choice == (0, 0, 0) and texts[0] == "xab"
+    assert len(texts) == len(set(texts)) and set(texts) == {"xab", "xa", "xabb"}

@@ -148,15 +148,16 @@ def candidates(slots: list[ctc.Slot], threshold: float, max_candidates: int = 16
         beams = grown[: max_candidates * 2]
         if not any(b.edits == 0 for b in beams):  # the greedy reading always stays in the beam
             beams.append(next(b for b in grown if b.edits == 0))
-    out, seen = [], set()
+    # the greedy reading first, so that another choice spelling the same text (a `SpanSlot` need not
+    # put its likeliest option first) never takes its place
+    greedy = next(b for b in beams if b.edits == 0)
+    out, seen = [greedy], {greedy.text(slots)}
     for c in beams:
         t = c.text(slots)
         if t not in seen:
             seen.add(t)
             out.append(c)
-    greedy = next(c for c in out if c.edits == 0)
-    rest = [c for c in out if c is not greedy]
-    return [greedy] + rest[: max_candidates - 1]
+    return out[:max_candidates]
 
 
 def chosen_reading(slots: list[ctc.Slot], choice: tuple[int, ...]) -> Reading:
