@@ -109,9 +109,10 @@ class CachedScorer:
 
     def logprob(self, texts: list[str]) -> list[float]:
         todo = list(dict.fromkeys(t for t in texts if t not in self.memo))
-        if todo:
-            self.calls += len(todo)
-            self.memo.update(zip(todo, self.scorer.logprob(todo)))
+        for k in range(0, len(todo), 256):  # saved as it goes: a run cut short keeps what it scored
+            self.calls += len(todo[k:k + 256])
+            self.memo.update(zip(todo[k:k + 256], self.scorer.logprob(todo[k:k + 256])))
+            self.save()
         return [self.memo[t] for t in texts]
 
     def save(self) -> None:
@@ -150,7 +151,9 @@ def make_agent(args):
     from glm5.apps.ocr.agent import OcrAgent, OcrConfig  # noqa: PLC0415
     opts = {k: v for k, v in (("lm_weight", args.lm_weight), ("lm_threshold", args.lm_threshold),
                               ("lm_margin", args.lm_margin), ("max_candidates", args.max_candidates),
-                              ("max_edits", args.max_edits)) if v is not None}
+                              ("max_edits", args.max_edits), ("lm_alternatives", None if args.lm_alternatives is None else bool(args.lm_alternatives)),
+                              ("lm_same_length", None if args.lm_same_length is None else bool(args.lm_same_length)))
+            if v is not None}
     return OcrAgent(OcrConfig(rounds=args.rounds, model=args.model, **opts))
 
 
@@ -206,12 +209,13 @@ def tune(args) -> dict:
             agent.lm_rounds(res, bgr, 2, rule, scorer)
             rows.append({"condition": page.condition, "lm_changes": sum(c.round >= 2 for c in res.changes)}
                         | {f"cer{r}": M.cer(res.reading_text(r), page.text()) for r in range(3)})
-        by_cond = summarise(rows, 2)["condition"]
-        results.append({"rule": asdict(rule), "by_condition": {c: g["cer"] for c, g in by_cond.items()},
+        scorer.save()  # before anything else can fail: the language model's scores are the costly part
+        by_cond = {c: [_rate([r for r in rows if r["condition"] == c], f"cer{k}") for k in range(3)]
+                   for c in dict.fromkeys(r["condition"] for r in rows)}
+        results.append({"rule": asdict(rule), "by_condition": by_cond,
                         "clean": _rates(rows, True), "degraded": _rates(rows, False),
                         "lm_changes": sum(r["lm_changes"] for r in rows)})
         print(json.dumps(results[-1]), flush=True)
-        scorer.save()
     best = choose(results)
     print("best:", json.dumps(best), flush=True)
     return {"model": args.model, "seeds": args.seeds, "conditions": args.conditions, "layouts": args.layouts,
@@ -334,6 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lm-margin", type=float, default=None)
     ap.add_argument("--max-candidates", type=int, default=None)
     ap.add_argument("--max-edits", type=int, default=None)
+    ap.add_argument("--lm-alternatives", type=int, choices=[0, 1], default=None,
+                    help="1: round 2 also draws candidates from round 1's other readings")
+    ap.add_argument("--lm-same-length", type=int, choices=[0, 1], default=None,
+                    help="1: round 2 only substitutes characters")
     ap.add_argument("--cache", default=None, help="eval/tune: directory of pages read through round 1")
     ap.add_argument("--grid", default=None, help="tune: JSON {LmRule field: [values]} (default TUNE_GRID)")
     ap.add_argument("--pages", type=int, default=5, help="speed: layouts used (x clean + combo)")

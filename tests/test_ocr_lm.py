@@ -144,7 +144,8 @@ def test_language_model_round_can_take_a_stretch_from_another_reading():
     lines = [Line(quad, plain("open the fle"), "binarised",
                   alternatives=[("raw", plain("open the file", odd={10: 0.4})), ("padded", plain("open the fle"))])]
     scorer = KeywordScorer("file", bonus=5.0)
-    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, threshold=0.9), set(), 2)
+    changes, _ = lm_correct(lines, [0], {0: 0}, scorer,
+                            LmRule(lm_weight=1.0, threshold=0.9, alternatives=True, same_length=False), set(), 2)
     assert lines[0].reading.text == "open the file" and len(changes) == 1
     lines[0].reading = plain("open the fle")  # without alternatives there is nothing to choose from
     changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, threshold=0.9, alternatives=False),
@@ -164,3 +165,12 @@ def test_candidates_keep_the_recognisers_reading_first_when_another_choice_spell
     texts = [c.text(slots) for c in cands]
     assert cands[0].choice == (0, 0, 0) and texts[0] == "xab"
     assert len(texts) == len(set(texts)) and set(texts) == {"xab", "xa", "xabb"}
+
+
+def test_same_length_rule_offers_substitutions_only():
+    from glm5.apps.ocr.correct import candidates
+    slots = [ctc.Slot([("c", 0.99)]), ctc.Slot([("o", 0.5), ("a", 0.3), ("", 0.2)]), ctc.Slot([("", 0.6), ("s", 0.4)]),
+             ctc.Slot([("t", 0.99)])]
+    free = {c.text(slots) for c in candidates(slots, 0.9)}
+    assert {"cot", "cat", "cost", "cast"} <= free
+    assert {c.text(slots) for c in candidates(slots, 0.9, same_length=True)} == {"cot", "cat"}

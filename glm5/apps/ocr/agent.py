@@ -32,8 +32,9 @@ class OcrConfig:
     """A line is doubtful while any of its characters (or optional insertions) is under this confidence."""
     model: str | None = None
     """glm5 checkpoint directory (with tokenizer.json) for the language-model rounds; None skips them."""
-    lm_weight: float = 0.5
-    """Weight of the language model's log-probability against the recogniser's."""
+    lm_weight: float = 0.25
+    """Weight of the language model's log-probability against the recogniser's (defaults of the
+    language-model fields: tuned on seed-1 pages, docs/ocr.md)."""
     lm_threshold: float = 0.9
     """Language-model rounds change only characters under this confidence (lines with none are skipped)."""
     lm_margin: float = 0.0
@@ -42,6 +43,10 @@ class OcrConfig:
     """Candidate readings scored per doubtful line."""
     max_edits: int = 3
     """Most characters a language-model round may change in one line."""
+    lm_alternatives: bool = False
+    """Language-model rounds also take candidates from round 1's other readings of a line."""
+    lm_same_length: bool = True
+    """Language-model rounds only substitute characters (never drop or add one)."""
     num_threads: int = 0
     """onnxruntime threads (0 = its default)."""
     max_pixels: int = MAX_PIXELS
@@ -57,7 +62,8 @@ class OcrConfig:
     @property
     def lm_rule(self) -> correct.LmRule:
         return correct.LmRule(lm_weight=self.lm_weight, threshold=self.lm_threshold, min_margin=self.lm_margin,
-                              max_candidates=self.max_candidates, max_edits=self.max_edits)
+                              max_candidates=self.max_candidates, max_edits=self.max_edits,
+                              alternatives=self.lm_alternatives, same_length=self.lm_same_length)
 
 
 class OcrAgent:

@@ -10,7 +10,8 @@ round 1 read the line several ways, from the stretches where those readings disa
 the crops vote on each stretch). A glm5 language model scores each candidate inside its neighbouring
 lines: `lm_weight * log P_lm(context with candidate) + log P_recogniser(candidate)` (a noisy-channel
 combination). The best candidate replaces the recogniser's reading only if it leads it by
-`min_margin` nats (`LmRule`, tuned on pages apart from the evaluation's: docs/ocr.md).
+`min_margin` nats (`LmRule`, tuned on pages apart from the evaluation's: docs/ocr.md). By default
+only substitutions are offered (`same_length`): given deletions, a weak model drops rare characters.
 """
 
 from __future__ import annotations
@@ -126,9 +127,10 @@ class Candidate:
 
 
 def candidates(slots: list[ctc.Slot], threshold: float, max_candidates: int = 16, per_slot: int = 3,
-               max_edits: int = 3) -> list[Candidate]:
+               max_edits: int = 3, same_length: bool = False) -> list[Candidate]:
     """Beam over the confusion network: doubtful slots may take their top `per_slot` options or
-    "nothing" (deletion); other slots keep their best. Greedy reading first; distinct texts only."""
+    "nothing" (deletion); other slots keep their best. With `same_length`, only options as long as the
+    slot's best (substitutions). Greedy reading first; distinct texts only."""
     beams = [Candidate((), 0.0, 0)]
     for s in slots:
         opts = [0]
@@ -137,6 +139,8 @@ def candidates(slots: list[ctc.Slot], threshold: float, max_candidates: int = 16
             # dropping a character: only when the recogniser itself gives that >= MIN_DELETE (a language
             # model, weak or not, likes shorter texts)
             opts += [k for k, (t, p) in enumerate(s.options) if t == "" and k and p >= MIN_DELETE]
+            if same_length:
+                opts = [k for k in opts if len(s.options[k][0]) == len(s.best)]
         grown = []
         for b in beams:
             for k in opts:
@@ -235,7 +239,7 @@ class LmRule:
     """When a language-model round may replace the recogniser's reading (see docs/ocr.md for how the
     defaults were tuned on pages apart from the evaluation's)."""
 
-    lm_weight: float = 0.5
+    lm_weight: float = 0.25
     """Weight of the language model's log-probability against the recogniser's."""
     threshold: float = 0.9
     """Only characters (and optional insertions) under this confidence may change; a line with none is
@@ -246,8 +250,11 @@ class LmRule:
     """Candidate readings scored per doubtful line."""
     max_edits: int = 3
     """Most characters (or disagreeing stretches) one line may change."""
-    alternatives: bool = True
+    alternatives: bool = False
     """Also draw candidates from round 1's other readings of the line (`merged_slots`)."""
+    same_length: bool = True
+    """Substitutions only: no candidate drops or adds a character. A language model gains many nats by
+    dropping a rare character (a rare CJK character, `*`, `#`), which a weak one cannot outweigh."""
 
     def __post_init__(self):
         if self.lm_weight < 0:
@@ -271,7 +278,8 @@ def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], sc
                  else lines[i].reading.slots)
         if not any(s.conf < rule.threshold for s in slots):
             continue
-        cands = candidates(slots, rule.threshold, rule.max_candidates, max_edits=rule.max_edits)
+        cands = candidates(slots, rule.threshold, rule.max_candidates, max_edits=rule.max_edits,
+                           same_length=rule.same_length)
         if len(cands) < 2:
             settled.add(i)
             continue
