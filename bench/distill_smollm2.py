@@ -86,7 +86,7 @@ def teacher_val_loss(out: Path, args) -> float:
     return total / count
 
 
-def evaluate(out: Path, models: tuple[str, ...] = MODELS) -> list[dict]:
+def evaluate(out: Path, models: tuple[str, ...] = MODELS, tasks: list[TaskConfig] = TASKS) -> list[dict]:
     """Every task on each of `models` (records resume: a model evaluated before is not run again)."""
     directory, gguf = resolve_teacher("smollm2")
     makers = {MODELS[0]: lambda: HFModel(directory, gguf_file=gguf, max_length=512),
@@ -95,7 +95,7 @@ def evaluate(out: Path, models: tuple[str, ...] = MODELS) -> list[dict]:
     results = []
     for label in models:
         model = makers[label]()
-        for t in TASKS:
+        for t in tasks:
             path = out / "eval" / label.split()[0] / f"{t.name}.json"
             results.append(run_task(build_task(t), model, path, model_name=label, label=t.name, limit=t.limit,
                                     progress=False))
@@ -112,12 +112,12 @@ def kept(task: str, teacher: float, student: float) -> dict:
             "kept_above_chance": (student - chance) / (teacher - chance)}
 
 
-def summarize(out: Path, results: list[dict], teacher_loss: float) -> dict:
+def summarize(out: Path, results: list[dict], teacher_loss: float, tasks: list[TaskConfig] = TASKS) -> dict:
     kd = json.loads((out / "kd.summary.json").read_text())
     base = json.loads((out / "baseline.summary.json").read_text())
     by = {(r["model"], r["task"]): r for r in results}
     rows = []
-    for t in TASKS:
+    for t in tasks:
         tr, st, bs = (by[(m, t.name)] for m in MODELS)
         p = tr["primary"]
         rows.append({"task": t.name, "metric": p, "n": tr["n"], "teacher": tr["metrics"][p],
@@ -145,11 +145,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/distill")
     ap.add_argument("--stage", choices=["kd", "baseline", "teacher", "eval", "all"], default="all")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--max-train-tokens", type=int, default=65536)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--max-train-tokens", type=int, default=32768)
+    ap.add_argument("--tasks", default="", help="comma-separated task labels (default: all of TASKS)")
     ap.add_argument("--val-tokens", type=int, default=8256)
     args = ap.parse_args()
     out = Path(args.out)
+    tasks = [t for t in TASKS if not args.tasks or t.name in args.tasks.split(",")]
     if args.stage in ("kd", "all"):
         print(json.dumps({"stage": "kd", **train(out, "kd", args)}, default=float), flush=True)
     if args.stage in ("baseline", "all"):
@@ -157,12 +159,12 @@ def main() -> None:
               flush=True)
     if args.stage == "teacher":  # independent of the students: can run while they train
         print(json.dumps({"teacher_val_loss": teacher_val_loss(out, args)}), flush=True)
-        evaluate(out, MODELS[:1])
+        evaluate(out, MODELS[:1], tasks)
     if args.stage in ("eval", "all"):
         teacher_loss = teacher_val_loss(out, args)
-        results = evaluate(out)
+        results = evaluate(out, MODELS, tasks)
         write_report(results, out / "eval")
-        summary = summarize(out, results, teacher_loss)
+        summary = summarize(out, results, teacher_loss, tasks)
         (out / "distill.json").write_text(json.dumps(summary, indent=2))
         print(table(summary))
 
