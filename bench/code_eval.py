@@ -123,6 +123,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     args = ap.parse_args()
     llm = LLM(args.model, device="cpu", max_model_len=MAX_LEN, max_num_batched_tokens=4096)
+    if llm.tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer files: the evaluation needs text in and out "
+                         "(a run's final/ directory has them; a raw checkpoint's model/ does not)")
     files = held_out_python()
     rng = random.Random(args.seed)
     lines, fims = line_cases(files, args.n, rng), fim_cases(files, args.n, rng)
