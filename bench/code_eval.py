@@ -66,9 +66,9 @@ def line_cases(files: list[str], n: int, rng: random.Random) -> list[dict]:
         if not parses(text):
             continue
         lines = text.split("\n")
-        i = rng.randrange(len(lines))
+        i = rng.randrange(1, len(lines)) if len(lines) > 1 else 0
         body = lines[i].lstrip(" ")
-        if len(body) < 8 or body.startswith("#"):
+        if i == 0 or len(body) < 8 or body.startswith("#"):  # i == 0: nothing before the cursor
             continue
         indent = lines[i][: len(lines[i]) - len(body)]
         prefix = "\n".join(lines[:i] + [indent])
