@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=200, help="cases per task (beam search: a quarter)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the Markdown table here")
+    ap.add_argument("--decodings", nargs="+", choices=list(DECODINGS), default=list(DECODINGS),
+                    help="which decodings to run (default: all)")
     args = ap.parse_args()
     llm = LLM(args.model, device="cpu", max_model_len=MAX_LEN, max_num_batched_tokens=4096)
     if llm.tokenizer is None:
@@ -137,19 +139,21 @@ def main() -> int:
         except InfillError:
             pass
     rows = []
-    for name, params in DECODINGS.items():
+    for name in args.decodings:
+        params = DECODINGS[name]
         n = max(args.n // 4, 10) if params.use_beam_search else args.n
         t0 = time.perf_counter()
         preds = run_lines(llm, lines[:n], params)
         rows.append(("single line", name, score(preds, lines[:n], lambda p, c: c["prefix"] + p + c["after"]),
                      time.perf_counter() - t0))
-        print(json.dumps({"task": "line", "decoding": name, **rows[-1][2]}), flush=True)
+        print(json.dumps({"task": "line", "decoding": name, **rows[-1][2], "seconds": round(rows[-1][3])}), flush=True)
         for fmt in formats:
             t0 = time.perf_counter()
             preds = run_fim(llm, fims[:n], params, fmt)
             rows.append((f"FIM ({fmt})", name, score(preds, fims[:n], lambda p, c: c["prefix"] + p + c["suffix"]),
                          time.perf_counter() - t0))
-            print(json.dumps({"task": f"fim-{fmt}", "decoding": name, **rows[-1][2]}), flush=True)
+            print(json.dumps({"task": f"fim-{fmt}", "decoding": name, **rows[-1][2], "seconds": round(rows[-1][3])}),
+                  flush=True)
     table = ["| task | decoding | n | exact match | edit similarity | file parses | seconds |", "|---|---|---|---|---|---|---|"]
     table += [f"| {t} | {d} | {m['n']} | {m['exact_match']:.3f} | {m['edit_similarity']:.3f} | {m['parses']:.3f} | "
               f"{s:.0f} |" for t, d, m, s in rows]
