@@ -4,7 +4,8 @@ prefix-cache reuse when one file is edited at the cursor again and again.
 1. Throughput/latency: 64 concurrent clients, each one request shaped like an editor's: a 1-2K token
    prefix, a 200-token suffix, 32 new tokens (greedy). Run as llama.cpp `/infill` and, in the same run,
    as `/v1/completions` with the prefix and suffix text as one prompt (same token count, no infill).
-   Reported: requests/s, p50/p99 latency, and the ratio.
+   Reported: requests/s, p50/p99 latency, and the ratio; `--rounds R` runs each route R times in ABBA
+   order with a cold prefix cache each time (the machine's load drifts; both routes see it alike).
 2. Repeated edits: one file, 20 rounds of "type a few characters at the cursor, ask again" through
    `/infill`; per round the share of the prompt that had to be computed (1 - tokens_cached / prompt
    tokens), for each infill format the model supports (target: < 10% with SPM).
@@ -12,7 +13,7 @@ prefix-cache reuse when one file is edited at the cursor again and again.
 Model: a checkpoint with a FIM tokenizer (e.g. runs/code/final), or by default a random-init `tiny`
 with a freshly trained 8k FIM tokenizer (speed does not depend on the weights).
 
-    python3 bench/code_serve.py [--model runs/code/final] [--out docs/bench-code-serve.md]
+    python3 bench/code_serve.py [--model runs/code/final] [--rounds 2] [--out docs/bench-code-serve.md]
 """
 
 from __future__ import annotations
