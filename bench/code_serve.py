@@ -79,8 +79,8 @@ async def load(base: str, reqs: list[tuple[str, str]], reset, rounds: int) -> di
                 runs[name].append({"requests_per_s": len(done) / wall, "p50_s": statistics.median(lat),
                                    "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))], "wall_s": wall})
                 print(json.dumps({name: runs[name][-1]}), flush=True)
-    # per route: the round with the median requests/s
-    return {k: sorted(v, key=lambda m: m["requests_per_s"])[len(v) // 2] for k, v in runs.items()} | {
+    # per route: the median of each metric over its rounds (the mean of the middle two for an even count)
+    return {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()} | {
         "ratios": [i["requests_per_s"] / c["requests_per_s"] for i, c in zip(runs["infill"], runs["completion"])]}
 
 
