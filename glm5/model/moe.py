@@ -14,6 +14,8 @@ Dims: N tokens, H hidden, E routed experts, A experts per token, I expert FFN wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,11 +166,14 @@ def expert_loop(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep,
 
 
 def grouped_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
+                    down: torch.Tensor, delta: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor | None]
+                    | None = None) -> torch.Tensor:
     """Routed-expert output [N, H] for x [N, H], idx/weights [N, A] (inference, CPU): the N*A assignments
     sorted by expert (stable: token order within an expert), `torch._grouped_mm` over the [E, ., .] weights
     for gate_up and down (each expert's rows are one slice; experts with none are skipped), then summed per
     token in that order. Dropped assignments (keep False) are computed with weight 0.
+    `delta(name, rows_in [M, in], order [M])`, if given, returns a per-row term added to the output of the
+    `gate_up_proj` / `down_proj` product (per-row adapters when serving many LoRAs), or None.
 
     The same products and summation order as a loop of one matmul pair per expert, in 12 ops: at decode
     sizes the loop's per-expert Python and dispatch cost more than the matmuls."""
@@ -177,9 +182,15 @@ def grouped_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, k
     order = torch.argsort(flat, stable=True)  # [M = N*A]
     offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)  # [E] end of each expert
     token = order // A  # [M]
-    h = torch._grouped_mm(x.index_select(0, token), gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+    xs = x.index_select(0, token)  # [M, H]
+    h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+    if delta is not None and (d := delta("gate_up_proj", xs, order)) is not None:
+        h = h + d
     gate, up = h.chunk(2, dim=-1)
-    ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)  # [M, H]
+    a = F.silu(gate) * up  # [M, I]
+    ys = torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)  # [M, H]
+    if delta is not None and (d := delta("down_proj", a, order)) is not None:
+        ys = ys + d
     w = weights.reshape(-1) if keep is None else weights.reshape(-1) * keep.reshape(-1)
     return torch.zeros_like(x).index_add_(0, token, ys * w.index_select(0, order)[:, None].to(ys.dtype))
 
