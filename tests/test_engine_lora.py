@@ -131,3 +131,16 @@ def test_prefix_adapter_served_from_the_cache(dirs, tmp_path):
         llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), lora="p")
     llm.engine.unload_lora("p")
     assert "p" not in llm.engine.list_loras()
+
+
+def test_masked_lowrank_equals_each_rows_own_adapter():
+    """The few-slot decode kernel (every slot's A in one matmul, other slots masked) == B_s A_s x per row."""
+    from glm5.infer.lora import lowrank_masked
+
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(5, 8, 24, generator=g), torch.randn(5, 12, 8, generator=g)
+    A[4], B[4] = 0, 0  # the base model's all-zero slot
+    x, slots = torch.randn(30, 24, generator=g), torch.randint(0, 5, (30,), generator=g)
+    ref = torch.stack([B[s] @ (A[s] @ x[i]) for i, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(lowrank_masked(x, A, B, slots), ref, rtol=1e-5, atol=1e-5)
+    assert lowrank_masked(x, A, B, torch.full((30,), 4)).abs().max() == 0
