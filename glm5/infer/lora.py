@@ -147,17 +147,17 @@ class MultiLoRAAttention(MLAttention):
         _, w_uv = self._kv_b()
         o = torch.einsum("...hr,hvr->...hv", o_lat, w_uv)  # [.., H, V] (as the base class)
         batch = self.kv_b_proj.batch
-        if batch.ids is not None and o_lat.reshape(-1, *o_lat.shape[-2:]).shape[0] <= GATHER_ROWS:
+        if batch.ids is not None:
             lat, of = o_lat.reshape(-1, *o_lat.shape[-2:]), o.reshape(-1, *o.shape[-2:])  # [N, H, K], [N, H, V]
-            A, _, B_uv, own = self._all_slots()
-            u = torch.einsum("nhk,srk->nhsr", lat, A) * own[:, None, :, None]  # [N, H, S, R]
-            of += torch.einsum("nhsr,shvr->nhv", u, B_uv)
-        elif batch.ids is not None:
-            lat, of = o_lat.reshape(-1, *o_lat.shape[-2:]), o.reshape(-1, *o.shape[-2:])
-            for s in batch.active:
-                rows = batch.rows(s)
-                A, _, B_uv = self._kvb_lora(s)
-                of.index_add_(0, rows, torch.einsum("nhr,hvr->nhv", lat[rows] @ A.T, B_uv))
+            if lat.shape[0] <= GATHER_ROWS:  # few rows: all slots in two einsums, other slots masked
+                A, _, B_uv, own = self._all_slots()
+                u = torch.einsum("nhk,srk->nhsr", lat, A) * own[:, None, :, None]  # [N, H, S, R]
+                of += torch.einsum("nhsr,shvr->nhv", u, B_uv)
+            else:
+                for s in batch.active:
+                    rows = batch.rows(s)
+                    A, _, B_uv = self._kvb_lora(s)
+                    of.index_add_(0, rows, torch.einsum("nhr,hvr->nhv", lat[rows] @ A.T, B_uv))
         return self.o_proj(o.flatten(-2))
 
 
