@@ -192,3 +192,37 @@ def test_grouped_swiglu_backward_matches_autograd_loop():
     (torch.cat(outs) * up).sum().backward()
     for a, t in zip(got, (xs, gu, dn)):
         torch.testing.assert_close(a, t.grad)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_grouped_swiglu_accumulates_into_existing_grads_like_autograd(hooked):
+    """With `.grad` already set (gradient accumulation, or a trainer that zeroes instead of freeing),
+    the weight gradients are added in place; the result equals autograd's accumulation of the per-expert
+    F.linear loop over two backward passes (one of them with an empty expert), hooks or not."""
+    import torch.nn.functional as F
+
+    from glm5.model.moe import grouped_swiglu
+    g = torch.Generator().manual_seed(3)
+    E, H, I = 4, 6, 5
+    gu = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64, requires_grad=True)
+    dn = torch.randn(E, H, I, generator=g, dtype=torch.float64, requires_grad=True)
+    calls = []
+    if hooked:  # a post-accumulate hook must still see every accumulation
+        gu.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    passes = [(torch.tensor([2, 3, 0, 1]), torch.randn(6, H, generator=g, dtype=torch.float64)),
+              (torch.tensor([1, 1, 4, 2]), torch.randn(8, H, generator=g, dtype=torch.float64))]
+    ups = [torch.randn(x.shape, generator=g, dtype=torch.float64) for _, x in passes]
+    for (counts, x), up in zip(passes, ups):
+        (grouped_swiglu(x, gu, dn, counts) * up).sum().backward()
+    got = gu.grad.clone(), dn.grad.clone()
+    assert len(calls) == (2 if hooked else 0)
+    gu.grad = dn.grad = None
+    for (counts, x), up in zip(passes, ups):
+        outs, lo = [], 0
+        for e, n in enumerate(counts.tolist()):
+            gate, u = F.linear(x[lo: lo + n], gu[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * u, dn[e]))
+            lo += n
+        (torch.cat(outs) * up).sum().backward()
+    torch.testing.assert_close(got[0], gu.grad)
+    torch.testing.assert_close(got[1], dn.grad)

@@ -140,3 +140,52 @@ def test_trainer_uses_the_fused_loss_only_for_a_plain_head(tmp_path):
     cfg = make(tmp_path / "plain2", steps=1).cfg
     t = Trainer(cfg, model=model.train(), data=SyntheticData(96, 4, 24, seed=1))
     assert not t.fused_ce and t.micro_fn is forward_micro
+
+
+def test_mtp_loss_from_hidden_states_without_full_logits():
+    """The fused path asks the model for the last position's logits only (main and MTP) and takes both
+    losses from the hidden states; the MTP sum equals CE over the full MTP logits of the plain path."""
+    cfg = ModelConfig.from_preset("tiny", **MODEL)
+    model = GLM5ForCausalLM(cfg).init_weights(0).train()
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    full = model(ids, return_mtp=True)
+    kept = model(ids, return_mtp=True, logits_to_keep=1)
+    assert kept.mtp_logits.shape == (2, 1, cfg.vocab_size)
+    torch.testing.assert_close(kept.mtp_logits, full.mtp_logits[:, -1:])
+    torch.testing.assert_close(model.lm_head(kept.mtp_hidden_states), full.mtp_logits)
+    bal = BalanceConfig()
+    fused = forward_micro(model, {"input_ids": ids, "labels": labels}, "clm", 0.3, bal, fused_ce=True)
+    plain = forward_micro(model, {"input_ids": ids, "labels": labels}, "clm", 0.3, bal, fused_ce=False)
+    assert fused.mtp_tokens == plain.mtp_tokens > 0
+    torch.testing.assert_close(fused.mtp_sum, plain.mtp_sum, rtol=1e-6, atol=1e-5)
+
+
+def test_kept_gradient_buffers_train_like_freed_ones(tmp_path):
+    """The one-process trainer keeps gradient buffers between steps (glm5/train/grads.py); with causal
+    steps (MTP on) and blank-infilling steps (the MTP layer gets no gradient) mixed, the weights after
+    6 steps equal those of a trainer that frees its gradients (zero_grad(set_to_none=True)): untouched
+    parameters are skipped by AdamW, not stepped on zero gradients."""
+    sections = {"train": {"objectives": {"clm": 1.0, "glm": 1.0}, "mtp_weight": 0.3}}
+    kept, freed = make(tmp_path / "a", steps=6, **sections), make(tmp_path / "b", steps=6, **sections)
+    assert kept.kept_grads is not None
+    freed.kept_grads = None
+    for t in (kept, freed):
+        t.fit()
+    drawn = [{k for k, n in h["objectives"].items() if n} for h in kept.history]
+    assert {"clm"} in drawn and {"glm"} in drawn
+    want = dict(freed.model.named_parameters())
+    for name, p in kept.model.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_kept_grads_drop_untouched_and_accumulate():
+    from glm5.train.grads import KeptGrads
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    kept = KeptGrads()
+    ((a * 2).sum() + b.sum()).backward()
+    kept.zero([a, b])
+    assert a.grad.abs().max() == 0 and b.grad is not None
+    (a * 3).sum().backward()
+    kept.drop_untouched()
+    assert b.grad is None and torch.equal(a.grad, torch.full((3,), 3.0))

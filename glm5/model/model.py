@@ -34,6 +34,7 @@ class ModelOutput:
     logits: torch.Tensor  # [B, T, V]
     hidden_states: torch.Tensor  # [B, T, H] after the final norm
     mtp_logits: torch.Tensor | None = None  # [B, T, V]: position t predicts token t+2
+    mtp_hidden_states: torch.Tensor | None = None  # [B, T, H]: the first MTP layer's normed output (its head input)
     router_stats: list[dict] = field(default_factory=list)  # one dict per MoE layer (see moe.MoE)
     selections: list = field(default_factory=list)  # per layer (idx, valid) or None (dense)
 
@@ -168,7 +169,9 @@ class GLM5ForCausalLM(nn.Module):
         [B, T] 0/1 padding mask; block_position_ids [B, T] (GLM 2D positions; with a block-position table,
         absent ids mean 0, so causal text, Part A and the engine all see the same embedding). With
         return_mtp, also MTP logits where position t predicts token t+2 from h_t and token t+1
-        (`mtp_input_ids`, default input_ids shifted left by one). Losses live in glm5.train, not here.
+        (`mtp_input_ids`, default input_ids shifted left by one) and the hidden states they come from.
+        `logits_to_keep` N > 0: logits (main and MTP) of the last N positions only; hidden states stay
+        whole (a fused loss takes them with the head's weight). Losses live in glm5.train, not here.
 
         Paged (the engine): input_ids [1, N] are the flat tokens described by `attn_metadata`, whose KV rows
         are written into `kv_cache` and attended there; positions and block positions default to the
@@ -200,7 +203,8 @@ class GLM5ForCausalLM(nn.Module):
             hk = h[:, -logits_to_keep:] if logits_to_keep else h
         out = ModelOutput(logits=self.lm_head(hk), hidden_states=h, router_stats=stats, selections=sels)
         if return_mtp and len(self.model.mtp_layers):
-            out.mtp_logits, mstats = self._mtp(input_ids, mtp_input_ids, h, cos, sin, ctx)
+            out.mtp_logits, out.mtp_hidden_states, mstats = self._mtp(input_ids, mtp_input_ids, h, cos, sin, ctx,
+                                                                      logits_to_keep=logits_to_keep)
             out.router_stats = stats + mstats
         return out
 
@@ -253,10 +257,11 @@ class GLM5ForCausalLM(nn.Module):
                 stats.append(st)
         return x, stats, sels
 
-    def _mtp(self, input_ids, mtp_input_ids, h, cos, sin, mask, layers=None):
+    def _mtp(self, input_ids, mtp_input_ids, h, cos, sin, mask, layers=None, logits_to_keep: int = 0):
         """Depth-j MTP layer sees tokens shifted left by j+1 and the previous depth's states; returns the
-        first depth's logits (GLM-5 has one MTP layer). `layers`: the MTP layers (default: the model's)."""
-        logits, stats, z = None, [], h
+        first depth's (logits, normed hidden states, router stats) (GLM-5 has one MTP layer); logits of the
+        last `logits_to_keep` positions only when > 0. `layers`: the MTP layers (default: the model's)."""
+        logits, hidden, stats, z = None, None, [], h
         for j, layer in enumerate(self.model.mtp_layers if layers is None else layers):
             if mtp_input_ids is None or j > 0:
                 src = input_ids if mtp_input_ids is None else mtp_input_ids
@@ -272,8 +277,9 @@ class GLM5ForCausalLM(nn.Module):
             st["layer"] = layer.layer_idx
             stats.append(st)
             if logits is None:
-                logits = self.lm_head(z)
-        return logits, stats
+                hidden = z
+                logits = self.lm_head(z[:, -logits_to_keep:] if logits_to_keep else z)
+        return logits, hidden, stats
 
     # --- helpers --------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -232,60 +232,92 @@ class _GroupedSwiGLU(torch.autograd.Function):
     of the output / input-gradient rows or into expert e's slot of the [E, ...] weight gradients.
     Autograd's version of the same loop (split rows, unbind weights, chunk gate/up, cat outputs)
     spent as long copying -- stacking 64 per-expert weight gradients, concatenating row gradients --
-    as half its matmuls on the `small` CPU step. Saves xs and the [M, 2I] gate/up pre-activations."""
+    as half its matmuls on the `small` CPU step. Only the matmuls loop over experts: the SwiGLU and
+    its derivative run once over all M rows (a handful of ops per layer instead of ~10 per expert,
+    whose dispatch cost more than their arithmetic at 64 rows an expert). Saves xs, the [M, 2I]
+    gate/up pre-activations and the [M, I] activations fed to `down`. When a weight already holds a
+    `.grad` (gradient accumulation; the trainer keeps its buffers between steps, glm5/train/grads.py)
+    its per-expert gradients are added into that buffer directly, as autograd would add them, without
+    a fresh [E, ...] buffer: at >= 32 MiB glibc maps it anew each step and every page faults in."""
 
     @staticmethod
     def forward(ctx, xs, gate_up, down, counts: list[int]):
         M, H = xs.shape
         inter = down.shape[-1]
         h = xs.new_empty(M, 2 * inter)  # [M, 2I] gate | up
+        segs = _segments(counts)
+        for e, seg in segs:
+            torch.mm(xs[seg], gate_up[e].t(), out=h[seg])
+        g, u = h.split(inter, dim=-1)
+        a = F.silu(g).mul_(u)  # [M, I]
         out = xs.new_empty(M, H)
-        lo = 0
-        for e, n in enumerate(counts):
-            if n:
-                seg = slice(lo, lo + n)
-                torch.mm(xs[seg], gate_up[e].t(), out=h[seg])
-                g, u = h[seg].split(inter, dim=-1)
-                torch.mm(F.silu(g) * u, down[e].t(), out=out[seg])
-                lo += n
-        ctx.save_for_backward(xs, gate_up, down, h)
-        ctx.counts = counts
+        for e, seg in segs:
+            torch.mm(a[seg], down[e].t(), out=out[seg])
+        ctx.save_for_backward(xs, gate_up, down, h, a)
+        ctx.segs = segs
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xs, gate_up, down, h = ctx.saved_tensors
+        xs, gate_up, down, h, a = ctx.saved_tensors
         inter = down.shape[-1]
         grad_out = grad_out.contiguous()
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]
         d_xs = torch.empty_like(xs) if need_x else None
-        d_gu = torch.empty_like(gate_up) if need_gu else None
-        d_down = torch.empty_like(down) if need_down else None
+        acc_gu, acc_down = _grad_in_place(gate_up), _grad_in_place(down)
+        d_gu = (acc_gu if acc_gu is not None else _expert_grad(gate_up, ctx.segs)) if need_gu else None
+        d_down = (acc_down if acc_down is not None else _expert_grad(down, ctx.segs)) if need_down else None
+        da = torch.empty_like(a)  # [M, I] d loss / d (silu(gate) * up)
+        for e, seg in ctx.segs:
+            if need_down and acc_down is not None:
+                d_down[e].addmm_(grad_out[seg].t(), a[seg])
+            elif need_down:
+                torch.mm(grad_out[seg].t(), a[seg], out=d_down[e])  # [H, I]
+            torch.mm(grad_out[seg], down[e], out=da[seg])  # [n, I]
+        g, u = h.split(inter, dim=-1)
         d_h = torch.empty_like(h)
-        lo = 0
-        for e, n in enumerate(ctx.counts):
-            if not n:  # an expert without rows gets a zero gradient (only its slot is cleared)
-                for grad in (d_gu, d_down):
-                    if grad is not None:
-                        grad[e].zero_()
-                continue
-            seg = slice(lo, lo + n)
-            lo += n
-            g, u = h[seg].split(inter, dim=-1)
-            s = torch.sigmoid(g)
-            silu = g * s
-            gy = grad_out[seg]
-            if need_down:
-                torch.mm(gy.t(), silu * u, out=d_down[e])  # [H, I]
-            da = gy @ down[e]  # [n, I]
-            dg, du = d_h[seg].split(inter, dim=-1)
-            torch.mul(da * u, s * (1 + g * (1 - s)), out=dg)  # silu'(g) = s (1 + g (1 - s))
-            torch.mul(da, silu, out=du)
-            if need_gu:
+        torch.ops.aten.silu_backward.grad_input(da * u, g, grad_input=d_h[:, :inter])  # d gate = da * up * silu'(gate)
+        torch.mul(da, F.silu(g), out=d_h[:, inter:])  # d up = da * silu(gate)
+        for e, seg in ctx.segs:
+            if need_gu and acc_gu is not None:
+                d_gu[e].addmm_(d_h[seg].t(), xs[seg])
+            elif need_gu:
                 torch.mm(d_h[seg].t(), xs[seg], out=d_gu[e])  # [2I, H]
             if need_x:
                 torch.mm(d_h[seg], gate_up[e], out=d_xs[seg])  # [n, H]
-        return d_xs, d_gu, d_down, None
+        return d_xs, None if acc_gu is not None else d_gu, None if acc_down is not None else d_down, None
+
+
+def _grad_in_place(w: torch.Tensor) -> torch.Tensor | None:
+    """w's existing .grad when the weight gradient can be added to it directly (what autograd would do
+    after this backward returns), else None."""
+    if not (w.is_leaf and w.requires_grad) or w.grad is None or w._backward_hooks or \
+            getattr(w, "_post_accumulate_grad_hooks", None):
+        return None
+    g = w.grad
+    ok = g.layout == torch.strided and g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+    return g if ok and not torch.is_grad_enabled() else None
+
+
+def _segments(counts: list[int]) -> list[tuple[int, slice]]:
+    """(expert, its rows) for every expert with rows, over rows sorted by expert."""
+    segs, lo = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            segs.append((e, slice(lo, lo + n)))
+            lo += n
+    return segs
+
+
+def _expert_grad(w: torch.Tensor, segs: list[tuple[int, slice]]) -> torch.Tensor:
+    """Uninitialised [E, ...] gradient for w with the slots of experts without rows zeroed (every other
+    slot is written by its matmul)."""
+    grad = torch.empty_like(w)
+    busy = torch.zeros(w.shape[0], dtype=torch.bool)
+    busy[[e for e, _ in segs]] = True
+    if not bool(busy.all()):
+        grad[~busy.to(w.device)] = 0
+    return grad
 
 
 class MoE(nn.Module):

@@ -62,9 +62,14 @@ class _LinearCE(torch.autograd.Function):
         return g_h, g_w, None, None, None, None
 
 
-def linear_ce_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def linear_ce_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int | None = None
+                  ) -> torch.Tensor:
     """Summed cross entropy of the logits h @ weight^T against labels (-100 = no loss), without
-    materialising the logits; h [..., H], labels [...] (same leading shape), weight [V, H]."""
+    materialising the logits; h [..., H], labels [...] (same leading shape), weight [V, H].
+    `chunk`: rows per logits block; default: as many as keep one fp32 [rows, V] block within 8 MiB (at
+    least 64). On CPU glibc serves such blocks from its heap, reused step after step, while a 32 MiB
+    block is a fresh mapping whose pages fault in every step (8k faults a step on `small`)."""
+    chunk = chunk or max(64, (8 << 20) // (4 * weight.shape[0]))
     dev = h.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
     with torch.autocast(dev, enabled=False):  # the Function's matmuls write into buffers of `dtype`

@@ -171,7 +171,7 @@ class PipelineStageModule(nn.Module):
         h = m.model.norm(h)
         logits = m.lm_head(h)
         if self.ctx.run_mtp and len(self.mtp):
-            mtp_logits, mstats = m._mtp(input_ids, None, h, cos, sin, mask, self.mtp)
+            mtp_logits, _, mstats = m._mtp(input_ids, None, h, cos, sin, mask, self.mtp)
             return logits, mtp_logits, self._aux(stats + mstats, B)
         return logits, self._aux(stats, B)
 

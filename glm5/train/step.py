@@ -57,8 +57,8 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
     not left-to-right over Part A, so "token t+2" has no meaning there). With `capture` (an
     indexer_warmup.AttnCapture) and `indexer_coef`, adds the sparse-stage indexer KL term.
     `data_group`: the data-parallel process group (the batch balance loss sees the global batch).
-    `fused_ce`: the LM loss straight from the final hidden states and the head's weight
-    (`loss.linear_ce_sum`: no [tokens, vocab] logits; one process, unsharded head only)."""
+    `fused_ce`: the LM and MTP losses straight from the final (and MTP) hidden states and the head's
+    weight (`loss.linear_ce_sum`: no [tokens, vocab] logits; one process, unsharded head only)."""
     inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
     if capture is not None:
         capture.clear()
@@ -75,7 +75,9 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
                       mtp_sum=None, mtp_tokens=0, router_stats=list(out.router_stats or []))
     if use_mtp and out.mtp_logits is not None:
         targets = mtp_labels(labels)
-        res.mtp_sum, res.mtp_tokens = ce_sum(out.mtp_logits, targets), int((targets != IGNORE).sum())
+        res.mtp_sum = (linear_ce_sum(out.mtp_hidden_states, model.lm_head.weight, targets) if fused_ce
+                       else ce_sum(out.mtp_logits, targets))
+        res.mtp_tokens = int((targets != IGNORE).sum())
     res.balance = balance_losses(res.router_stats, labels.shape[0], balance_cfg.seq_aux_coef,
                                  balance_cfg.aux_coef, balance_cfg.z_loss_coef, data_group)
     if capture is not None and indexer_coef:

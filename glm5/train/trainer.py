@@ -34,6 +34,7 @@ from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
 from .checkpoint import load_checkpoint, read_hf_model, resume_candidates, save_checkpoint
 from .config import TrainConfig
 from .data import DataSource, build_data
+from .grads import KeptGrads
 from .indexer_warmup import AttnCapture, indexer_parameters, warmup_step
 from .optim import build_optimizer
 from .schedule import BatchRamp, lr_factor, pick_objective
@@ -118,6 +119,8 @@ class Trainer:
         if self.micro_fn is forward_micro and self.fused_ce:
             self.micro_fn = functools.partial(forward_micro, fused_ce=True)
         self.pp_group = plan.pp_group if plan else None
+        # one process: gradient buffers live on between steps (no page faults refilling them; grads.py)
+        self.kept_grads = KeptGrads() if not self.distributed else None
         if self.pipeline is not None and cfg.dsa.indexer_loss_coef > 0:
             raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
         self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
@@ -262,6 +265,8 @@ class Trainer:
         """Forward/backward over the step's micro-batches, then guard, clip, update. Returns metrics."""
         lr = self._set_lr()
         metrics = {"lr": lr, **self._forward_backward(self._fetch())}
+        if self.kept_grads is not None:
+            self.kept_grads.drop_untouched()
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = self._grad_norm(params)
         metrics["grad_norm"] = float(norm)
@@ -271,7 +276,10 @@ class Trainer:
             return metrics
         self._clip(params, norm)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.kept_grads is not None:
+            self.kept_grads.zero(params)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         loads = self.tracker.reduce(self.data_group)
         update_expert_bias(self.gates, loads, self.cfg.balance.bias_update_rate)
         metrics.update(load_metrics(self._all_stages(loads)))
