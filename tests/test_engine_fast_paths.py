@@ -76,3 +76,62 @@ def test_mixed_paged_steps_equal_training_forward():
     assert kinds == {True, False}  # both kernels ran
     for k in seqs:
         assert torch.allclose(torch.cat(got[k]), ref[k], atol=1e-4), k
+
+
+def _greedy(engine, prompts, n=6):
+    from glm5.infer.sampling import SamplingParams
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=p, params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_transposed_weight_layout_serves_the_same_model():
+    """weight_layout="transposed" (the CPU default) re-stores nn.Linear and expert weights [in, out]
+    row-major under unchanged shapes and keys: same greedy tokens and logits as the native layout, and
+    an expert hot swap writes into the new storage."""
+    from glm5.infer.config import EngineConfig
+    from glm5.infer.engine import LLMEngine
+    from glm5.infer.layout import is_transposed
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (1, 7, 19, 30)]
+    opts = dict(device="cpu", block_size=4, num_blocks=64, max_model_len=48)
+    native = LLMEngine(EngineConfig(**opts, weight_layout="native"), model=tiny_model(seed=5))
+    moved = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=5))
+    attn, mlp = moved.model.model.layers[1].self_attn, moved.model.model.layers[1].mlp
+    assert is_transposed(attn.q_a_proj.weight) and is_transposed(mlp.experts.gate_up_proj)
+    assert is_transposed(moved.model.lm_head.weight) and not is_transposed(attn.kv_b_proj.weight)
+    assert not is_transposed(native.model.lm_head.weight)
+    ref = native.model.state_dict()
+    for k, v in moved.model.state_dict().items():
+        assert v.shape == ref[k].shape and torch.equal(v, ref[k]), k
+    assert _greedy(moved, prompts) == _greedy(native, prompts)
+    update = {(1, 3): {"gate_proj": torch.randn(32, 64, generator=gen), "up_proj": torch.randn(32, 64, generator=gen),
+                       "down_proj": torch.randn(64, 32, generator=gen)}}
+    native.swap_experts(update)
+    moved.swap_experts(update)
+    assert is_transposed(mlp.experts.gate_up_proj)
+    assert torch.equal(mlp.experts.gate_up_proj[3, :32], update[(1, 3)]["gate_proj"])
+    assert _greedy(moved, prompts) == _greedy(native, prompts)
+
+
+def test_no_indexer_keys_when_no_request_can_outgrow_the_top_k():
+    """max_model_len <= index_topk: every key is always attended, so the cache holds no indexer keys and the
+    forward skips computing them; a longer max_model_len keeps them. Same greedy tokens either way."""
+    from glm5.infer.config import EngineConfig
+    from glm5.infer.engine import LLMEngine
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (3, 12, 25)]
+    opts = dict(device="cpu", block_size=4, num_blocks=128)
+    short = LLMEngine(EngineConfig(**opts, max_model_len=32), model=tiny_model(seed=2, index_topk=32))
+    long = LLMEngine(EngineConfig(**opts, max_model_len=96), model=tiny_model(seed=2, index_topk=32))
+    assert all(k is None for k in short.runner.cache.index_k)
+    assert any(k is not None for k in long.runner.cache.index_k)
+    assert _greedy(short, prompts) == _greedy(long, prompts)
+    window = LLMEngine(EngineConfig(**opts, max_model_len=32),
+                       model=tiny_model(seed=2, index_topk=32, sparse_attention="window"))
+    assert any(k is not None for k in window.runner.cache.index_k)  # the window pattern always selects

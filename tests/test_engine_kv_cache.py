@@ -28,7 +28,7 @@ def test_cache_sized_from_budget_and_written_by_slot():
     cfg = tiny_config()
     per_block = 8 * bytes_per_token(cfg)
     assert num_blocks_for_budget(cfg, 8, 10 * per_block + 5, torch.float32) == 10
-    engine = LLMEngine(EngineConfig(device="cpu", block_size=8, kv_cache_memory=10 * per_block, max_model_len=64),
+    engine = LLMEngine(EngineConfig(device="cpu", block_size=8, kv_cache_memory=10 * per_block, max_model_len=72),
                        model=tiny_model())
     assert engine.block_manager.num_blocks == 10 and engine.runner.cache.latent[0].shape[0] == 80
     cache = engine.runner.cache

@@ -35,6 +35,9 @@ class EngineConfig:
     # model execution
     quantization: Literal["int8"] | None = None  # weight-only INT8 (experts in groups)
     int8_kernel: Literal["auto", "int8pack", "int_mm", "dequant"] = "auto"  # auto: measured per row count
+    # weight storage order (glm5/infer/layout.py): "transposed" = [in, out] row-major, faster CPU GEMM for
+    # decode-sized batches; auto = transposed on CPU, native elsewhere
+    weight_layout: Literal["auto", "native", "transposed"] = "auto"
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
     max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts

@@ -32,6 +32,7 @@ from .config import EngineConfig
 from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
 from .faults import FaultTracker, is_fatal, run_each
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
+from .layout import transpose_weights
 from .lora import LoRAManager
 from .prefix_adapters import PrefixAdapters
 from .outputs import CompletionOutput, RequestOutput
@@ -132,6 +133,8 @@ class LLMEngine:
             from .quant import quantize_model  # noqa: PLC0415
             k = c.int8_kernel
             quantize_model(model, None if k == "auto" else {"small": k, "large": k})
+        if c.weight_layout == "transposed" or (c.weight_layout == "auto" and torch.device(c.device).type == "cpu"):
+            transpose_weights(model)
         return model
 
     def _lora_manager(self) -> LoRAManager | None:

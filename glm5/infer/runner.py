@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glm5.model.kv_cache import LatentKVCache
+from glm5.model.kv_cache import LatentKVCache, selection_possible
 from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import AttnMetadata, ExpertShadow
 
@@ -56,7 +56,11 @@ class ModelRunner:
         if self.with_mtp and self.cfg.num_nextn_predict_layers < 1:
             raise ValueError("speculative_num_tokens > 0 needs a checkpoint with an MTP layer "
                              "(num_nextn_predict_layers >= 1)")
-        self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp)
+        # no indexer keys when no request can outgrow the top-k (every key is attended; e.g. max_model_len
+        # <= index_topk): the projection, RoPE and cache write of the indexer key are skipped on every layer
+        max_keys = (config.max_model_len or self.cfg.max_position_embeddings) + config.speculative_num_tokens
+        self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp,
+                                   index_keys=selection_possible(self.cfg, max_keys))
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.expert_shadow: ExpertShadow | None = None  # set by the engine while requests run on an older version
         self.proposer = None

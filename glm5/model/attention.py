@@ -152,7 +152,7 @@ class MLAttention(nn.Module):
         q_nope, q_rope, q_resid = self.project_q(x, cos, sin)  # [1, N, H, E], [1, N, H, P]
         c_kv, k_rope = self.project_kv(x, cos, sin)  # [1, N, R], [1, N, P]
         qi = wi = ki = None
-        if self.indexer is not None:
+        if self.indexer is not None and cache.index_k[layer] is not None:
             ki = self.indexer.project_k(x, cos, sin)[0]  # [N, D]: every full layer caches its indexer key
         cache.write(layer, meta.slot_mapping, c_kv[0], k_rope[0], ki)
         if self.indexer is not None and any(self.needs_selection(g.num_keys) for g in meta.groups):
@@ -165,20 +165,20 @@ class MLAttention(nn.Module):
                 for gi, g in enumerate(meta.groups)]
         # per-row kv_b_proj adapters (multi-LoRA) act on the absorbed path only (see glm5/infer/lora.py)
         expand = [meta.adapter_ids is None and self._expands(g, sel) for g, sel in zip(meta.groups, sels)]
-        mixed = any(expand) and not all(expand)
-        o_lat = o_heads = qq = None  # outputs in latent space [N, H, R] / per head [N, H, V]
+        if not any(expand):  # all absorbed (decode steps): W_uk once over the step, W_uv + o_proj once
+            qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
+            o_lat = None  # [N, H, R]
+            for g, sel in zip(meta.groups, sels):
+                o_lat = _place(o_lat, g, self._attend_latent(g, _rows(g, qq), latent, sel), N)
+            return self.latent_to_output(o_lat)[None], sels
+        o_heads = None  # [N, H, V]: expanded groups, and absorbed ones (W_uk / W_uv on their own rows only)
         for g, sel, exp in zip(meta.groups, sels, expand):
             if exp:
                 og = self._attend_expanded(g, q_nope, q_rope, latent, sel)  # [B, T, H, V]
-                o_heads = _place(o_heads, g, og, N, mixed)
             else:
-                if qq is None:  # absorbed queries, built once for every group that needs them
-                    qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
-                o_lat = _place(o_lat, g, self._attend_group(g, qq, latent, sel), N, mixed)  # [B, T, H, R]
-        if o_heads is None:
-            return self.latent_to_output(o_lat)[None], sels
-        if o_lat is not None:  # both kinds: the zero rows of each contribute nothing to the other's
-            o_heads = o_heads + self.latent_to_heads(o_lat)
+                qg = torch.cat([self.absorb_q(_rows(g, q_nope)), _rows(g, q_rope)], dim=-1)  # [B, T, H, R+P]
+                og = self.latent_to_heads(self._attend_latent(g, qg, latent, sel))
+            o_heads = _place(o_heads, g, og, N)
         return self.o_proj(o_heads.flatten(-2))[None], sels
 
     def _expands(self, g: AttnGroup, sel) -> bool:
@@ -201,12 +201,7 @@ class MLAttention(nn.Module):
         S = g.num_keys
         lat = latent.index_select(0, g.key_slots.reshape(-1)).view(B, S, -1)  # [B, S, R+P]
         c_kv, k_rope = lat.split([self.kv_rank, self.rope], dim=-1)
-        if g.is_identity:
-            qn, qr = q_nope[None], q_rope[None]
-        else:
-            flat = g.q_index.reshape(-1)
-            qn = q_nope.index_select(0, flat).view(B, T, self.n_heads, self.nope)
-            qr = q_rope.index_select(0, flat).view(B, T, self.n_heads, self.rope)
+        qn, qr = _rows(g, q_nope), _rows(g, q_rope)  # [B, T, H, E], [B, T, H, P]
         if sel is not None:  # the selection as a [B, T, S] mask (it only selects allowed keys)
             allowed = torch.zeros(B, T, S, dtype=torch.bool, device=lat.device).scatter_(-1, sel[0], sel[1])
             mask = MaskSpec(causal=False, attention_mask=allowed)
@@ -224,10 +219,9 @@ class MLAttention(nn.Module):
         mask = MaskSpec(causal=False, attention_mask=g.allowed, q_positions=g.q_pos)
         return self.select(qi[g.q_index], wi[g.q_index], ki, mask, None)  # [B, T, I, D], [B, T, I]
 
-    def _attend_group(self, g: AttnGroup, qq: torch.Tensor, latent: torch.Tensor, sel) -> torch.Tensor:
-        """Absorbed MLA for one group over cache rows `latent` [slots, R+P] -> [B, T, H, R]."""
-        B, T = g.q_index.shape
-        q = qq[None] if g.is_identity else qq.index_select(0, g.q_index.reshape(-1)).view(B, T, *qq.shape[1:])
+    def _attend_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor, sel) -> torch.Tensor:
+        """Absorbed MLA for one group's queries q [B, T, H, R+P] over cache rows `latent` [slots, R+P]
+        -> [B, T, H, R]."""
         if sel is None:
             return dense_latent_attention(q, latent, g.key_slots, g.allowed, self.kv_rank, self.scale, g.key_lens)
         return gathered_latent_attention(q, latent, g.key_slots, sel[0], sel[1], self.kv_rank, self.scale)
@@ -273,13 +267,20 @@ class MLAttention(nn.Module):
         return self.latent_to_output(o_lat)
 
 
-def _place(out: torch.Tensor | None, g: AttnGroup, og: torch.Tensor, n: int, zero: bool) -> torch.Tensor:
+def _rows(g: AttnGroup, x: torch.Tensor) -> torch.Tensor:
+    """The group's query rows of a step tensor x [N, ...] -> [B, T, ...] (padding rows: token 0)."""
+    if g.is_identity:
+        return x[None]
+    B, T = g.q_index.shape
+    return x.index_select(0, g.q_index.reshape(-1)).view(B, T, *x.shape[1:])
+
+
+def _place(out: torch.Tensor | None, g: AttnGroup, og: torch.Tensor, n: int) -> torch.Tensor:
     """Write a group's output og [B, T, H, D] (valid query rows only) into the step's out [N, H, D],
-    allocated on first use (zeros when another kind of group fills the remaining rows, else uninitialised:
-    every token is a valid query of exactly one group)."""
+    allocated uninitialised on first use: every token is a valid query of exactly one group."""
     if g.is_identity:
         return og[0]  # the group is the whole step, in order
     if out is None:
-        out = og.new_zeros(n, *og.shape[2:]) if zero else og.new_empty(n, *og.shape[2:])
+        out = og.new_empty(n, *og.shape[2:])
     rows = og.reshape(-1, *og.shape[2:])  # [B*T, H, D]
     return out.index_copy_(0, g.out_index, rows if g.valid_rows is None else rows.index_select(0, g.valid_rows))

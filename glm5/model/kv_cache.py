@@ -37,6 +37,13 @@ def moe_cache_layers(cfg: ModelConfig, with_mtp: bool) -> list[bool]:
             + ([True] * cfg.num_nextn_predict_layers if with_mtp else []))
 
 
+def selection_possible(cfg: ModelConfig, max_keys: int) -> bool:
+    """Whether any attention layer can select keys when a sequence holds at most `max_keys` keys: the
+    window pattern always selects; DSA top-k only past index_topk keys (below it every key is attended,
+    so indexer keys are never read)."""
+    return cfg.sparse_attention == "window" or cfg.index_topk < max_keys
+
+
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32, with_mtp: bool = False) -> int:
     """KV bytes one token occupies across all cache layers: latent + rope key (+ indexer key)
     (+ int32 routed expert ids per MoE layer under a capacity factor)."""
@@ -60,7 +67,9 @@ class LatentKVCache:
     `routes[l]` [S, A] int32 or None (capacity factor only)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", with_mtp: bool = False):
+                 device: str | torch.device = "cpu", with_mtp: bool = False, index_keys: bool = True):
+        """index_keys=False: no indexer keys are stored (nor computed by the model's paged forward); only
+        valid when no sequence can outgrow the selection (see `selection_possible`)."""
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.dtype, self.with_mtp = dtype, with_mtp
         self.kv_rank = cfg.kv_lora_rank
@@ -73,7 +82,7 @@ class LatentKVCache:
         for full, moe in zip(cache_layers(cfg, with_mtp), moe_cache_layers(cfg, with_mtp)):
             self.latent.append(torch.zeros(num_slots, width, dtype=dtype, device=device))
             self.index_k.append(torch.zeros(num_slots, cfg.index_head_dim, dtype=dtype, device=device)
-                                if full else None)
+                                if full and index_keys else None)
             self.routes.append(torch.full((num_slots, cfg.num_experts_per_tok), -1, dtype=torch.int32,
                                           device=device) if capacity and moe else None)
 
@@ -97,7 +106,7 @@ class LatentKVCache:
         """slots [N] long; c_kv [N, R], k_rope [N, P], index_k [N, D] (full-indexer layers)."""
         lat = self.latent[layer]
         lat.index_copy_(0, slots, torch.cat([c_kv, k_rope], dim=-1).to(lat.dtype))  # [N, R+P] rows
-        if index_k is not None:
+        if index_k is not None and self.index_k[layer] is not None:
             self.index_k[layer].index_copy_(0, slots, index_k.to(self.dtype))
 
     def gather_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
