@@ -41,9 +41,14 @@ def test_blocked_dense_latent_attention_equals_one_block():
     for T in (1, 2):
         qq = torch.randn(B, T, H, W, generator=g)
         allowed = torch.arange(S)[None, None, :] < torch.tensor(lens)[:, None, None] - torch.arange(T)[None, :, None]
-        ref = dense_latent_attention(qq, latent, key_slots, allowed, R, 0.3)  # one block, every padded key
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        # the plain formula: every padded key of each sequence, softmax(q k^T * scale) over the allowed ones
+        lat = latent[key_slots]  # [B, S, W]
+        sc = torch.einsum("bthw,bsw->bths", qq, lat) * 0.3
+        sc = sc.masked_fill(~allowed[:, :, None, :], float("-inf"))
+        ref = torch.einsum("bths,bsr->bthr", sc.softmax(-1), lat[..., :R])
         for block_bytes in (1, 2 * 9 * W * 4, 10**9):
-            got = dense_latent_attention(qq, latent, key_slots, allowed, R, 0.3, lens, block_bytes=block_bytes)
+            got = dense_latent_attention(qq, latent, key_slots, bias, R, 0.3, lens, block_bytes=block_bytes)
             assert torch.allclose(got, ref, atol=1e-6), (T, block_bytes)
 
 

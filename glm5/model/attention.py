@@ -223,7 +223,7 @@ class MLAttention(nn.Module):
         """Absorbed MLA for one group's queries q [B, T, H, R+P] over cache rows `latent` [slots, R+P]
         -> [B, T, H, R]."""
         if sel is None:
-            return dense_latent_attention(q, latent, g.key_slots, g.allowed, self.kv_rank, self.scale, g.key_lens)
+            return dense_latent_attention(q, latent, g.key_slots, g.key_bias, self.kv_rank, self.scale, g.key_lens)
         return gathered_latent_attention(q, latent, g.key_slots, sel[0], sel[1], self.kv_rank, self.scale)
 
     # --- training kernels -----------------------------------------------------------------------------

@@ -22,28 +22,33 @@ SCORE_CHUNK_BYTES = 64 * 2**20
 KEY_BLOCK_BYTES = 2**20
 
 
-def dense_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, allowed: torch.Tensor,
+def dense_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,
                            kv_rank: int, scale: float, key_lens: list[int] | None = None,
                            block_bytes: int = KEY_BLOCK_BYTES) -> torch.Tensor:
-    """qq [B, T, H, W]; latent [rows, W]; key_slots [B, S] row of each key index; allowed [B, T, S];
-    key_lens: keys each sequence has (None: S), longest first for the trimming to pay -> [B, T, H, R].
+    """qq [B, T, H, W]; latent [rows, W]; key_slots [B, S] row of each key index; bias [B, T, S] additive
+    mask (0 = may attend, -inf = may not; `AttnGroup.key_bias`); key_lens: keys each sequence has (None: S),
+    longest first for the trimming to pay -> [B, T, H, R].
 
     Sequences are attended a block at a time: a block's key rows are gathered into one small buffer
     (about `block_bytes`, so it is still in cache for the second matmul) and cut at the block's longest
     sequence, so a short sequence next to a long one does not pay for the long one's padding (the engine
     orders a group's sequences by length). A single gather of every padded row was several times slower:
-    the buffer is tens of MiB for a large decode batch, freshly faulted in on every call."""
+    the buffer is tens of MiB for a large decode batch, freshly faulted in on every call. Per block: one
+    gather, two batched matmuls, the mask added in place and a softmax (the scale rides on the queries)."""
     B, T, H, W = qq.shape
     S = key_slots.shape[1]
     lens = key_lens if key_lens is not None else [S] * B
     row_bytes = W * latent.element_size()
+    qs = qq * scale
     out, b0 = None, 0
     while b0 < B:
         b1 = min(B, b0 + max(1, block_bytes // (max(lens[b0], 1) * row_bytes)))
-        s = max(lens[b0:b1])
-        slots = key_slots[b0:b1, :s].reshape(-1)
-        lat = latent.index_select(0, slots).view(b1 - b0, s, W)  # [b, s, W]
-        o = _attend_rows(qq[b0:b1], lat, allowed[b0:b1, :, :s], kv_rank, scale)  # [b, T, H, R]
+        s, b = max(lens[b0:b1]), b1 - b0
+        lat = latent.index_select(0, key_slots[b0:b1, :s].reshape(-1)).view(b, s, W)  # [b, s, W]
+        step = max(1, SCORE_CHUNK_BYTES // (b * H * s * 4))  # query rows per score block (scores [b, step*H, s])
+        parts = [_attend_rows(qs[b0:b1, t0:t0 + step], lat, bias[b0:b1, t0:t0 + step, :s], kv_rank)
+                 for t0 in range(0, T, step)]
+        o = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [b, T, H, R]
         if b0 == 0 and b1 == B:
             return o
         if out is None:
@@ -53,21 +58,14 @@ def dense_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: to
     return out
 
 
-def _attend_rows(qq: torch.Tensor, lat: torch.Tensor, allowed: torch.Tensor, kv_rank: int, scale: float) -> torch.Tensor:
-    """qq [B, T, H, W], lat [B, S, W] (each sequence's keys), allowed [B, T, S] -> [B, T, H, R]; queries a
-    block at a time (scores stay under SCORE_CHUNK_BYTES)."""
-    B, T, H, W = qq.shape
-    S = lat.shape[1]
-    step = max(1, SCORE_CHUNK_BYTES // max(1, B * H * S * 4))
-    outs = []
-    for t0 in range(0, T, step):
-        q = qq[:, t0:t0 + step]
-        t = q.shape[1]
-        s = torch.matmul(q.reshape(B, t * H, W), lat.transpose(1, 2)).float() * scale  # [B, t*H, S]
-        s = s.view(B, t, H, S).masked_fill(~allowed[:, t0:t0 + t, None, :], float("-inf"))
-        p = torch.softmax(s, dim=-1).to(lat.dtype).view(B, t * H, S)
-        outs.append(torch.matmul(p, lat[..., :kv_rank]).view(B, t, H, kv_rank))  # [B, t, H, R]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+def _attend_rows(qs: torch.Tensor, lat: torch.Tensor, bias: torch.Tensor, kv_rank: int) -> torch.Tensor:
+    """Scaled queries qs [b, t, H, W], each sequence's keys lat [b, s, W], bias [b, t, s] -> [b, t, H, R]."""
+    b, t, H, W = qs.shape
+    s = lat.shape[1]
+    sc = torch.bmm(qs.reshape(b, t * H, W), lat.transpose(1, 2)).float()  # [b, t*H, s]
+    sc.view(b, t, H, s).add_(bias[:, :, None, :])
+    p = torch.softmax(sc, dim=-1).to(lat.dtype)
+    return torch.bmm(p, lat[..., :kv_rank]).view(b, t, H, kv_rank)
 
 
 def gathered_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor,

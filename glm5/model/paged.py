@@ -26,6 +26,7 @@ Dims: N flat tokens, B sequences in a group, T queries per sequence (padded), S 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,12 @@ class AttnGroup:
     @property
     def num_keys(self) -> int:
         return int(self.key_slots.shape[1])
+
+    @functools.cached_property
+    def key_bias(self) -> torch.Tensor:
+        """`allowed` as an additive fp32 mask [B, T, S] (0 / -inf), built once per step for every layer."""
+        return torch.zeros(self.allowed.shape, dtype=torch.float32,
+                           device=self.allowed.device).masked_fill_(~self.allowed, float("-inf"))
 
 
 @dataclass
