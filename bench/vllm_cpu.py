@@ -63,8 +63,10 @@ def run_glm5(d: str) -> None:
 
     from glm5.infer.config import EngineConfig
     from glm5.infer.engine import LLMEngine
+    from glm5.infer.malloc import tune_malloc
     from glm5.infer.sampling import SamplingParams
     torch.set_num_threads(1)
+    tune_malloc()  # as `glm5 serve` does (vLLM's CPU backend preloads tcmalloc where it ships one)
     opts = dict(model=f"{d}/glm5", device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
 
     def gen(ps, n):

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print("glm5 generate: give --prompt TEXT or --interactive", file=sys.stderr)
         return 2
     from glm5.infer.llm import LLM  # noqa: PLC0415 (keep `glm5 --help` cheap)
+    from glm5.infer.malloc import tune_malloc  # noqa: PLC0415
     from glm5.infer.sampling import SamplingParams  # noqa: PLC0415
     # one prompt (or one beam per request): size the default KV cache for a few full-length sequences,
     # not the engine's 256 (max_model_len is the model's whole context unless given)
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 session_policy=args.session_policy, max_num_seqs=max(4, 2 * (args.beam_width or 1)))
     if args.device:
         opts["device"] = args.device
+    tune_malloc()
     llm = LLM(args.model, **opts)
     beam = args.beam_width > 1
     stopping = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)

@@ -116,9 +116,11 @@ def main(argv: list[str]) -> int:
         print(f"glm5 serve: {e}")
         return 2
     from glm5.infer.engine import LLMEngine
+    from glm5.infer.malloc import tune_malloc
     from glm5.serve.app import create_app
     from glm5.serve.server import GracefulServer
 
+    tune_malloc()  # a serving process: reuse freed pages instead of faulting in fresh ones each step
     try:
         engine = LLMEngine(engine_cfg)
     except (ValueError, OSError) as e:  # a bad setting or checkpoint: say which, without a traceback
