@@ -12,6 +12,7 @@ right before and after its timed steps (the best of both): MFU is relative to th
   python bench/train.py [--batch 4 --seq 256 --steps 5 --layers 4 --threads 1 --rounds 2]
   python bench/train.py --baseline /tmp/glm5-main     # also the Trainer of another glm5 tree (before/after)
   python bench/train.py --profile                     # torch.profiler table of one glm5 Trainer step
+  python bench/train.py --mtp --baseline DIR          # the Trainer with the MTP layer and loss, before/after
   python bench/train.py --parallel [--steps 4]     # torchrun layouts: tokens/s, MFU, communication share
 """
 from __future__ import annotations
@@ -32,9 +33,12 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _model_cfg(layers: int):
+def _model_cfg(layers: int, mtp: bool = False):
     from glm5.model.config import ModelConfig
-    return ModelConfig.from_preset("small", num_nextn_predict_layers=0, num_hidden_layers=layers)
+    return ModelConfig.from_preset("small", num_nextn_predict_layers=int(mtp), num_hidden_layers=layers)
+
+
+MTP_WEIGHT = 0.3  # with --mtp: the MTP layer's loss weight (configs/train/tiny.toml's)
 
 
 def child_glm5(a) -> dict:
@@ -42,11 +46,11 @@ def child_glm5(a) -> dict:
     from glm5.train.config import TrainConfig
     from glm5.train.data import SyntheticData
     from glm5.train.trainer import Trainer
-    mcfg = _model_cfg(a.layers)
+    mcfg = _model_cfg(a.layers, a.mtp)
     cfg = from_dict(TrainConfig, {
-        "model": {"name": "small", "overrides": {"num_nextn_predict_layers": 0, "num_hidden_layers": a.layers}},
-        "optim": {"lr": 1e-4}, "schedule": {"warmup_steps": 1}, "train": {"steps": a.steps + 1, "mtp_weight": 0.0,
-                                                                             "num_threads": a.threads},
+        "model": {"name": "small", "overrides": {"num_nextn_predict_layers": int(a.mtp), "num_hidden_layers": a.layers}},
+        "optim": {"lr": 1e-4}, "schedule": {"warmup_steps": 1},
+        "train": {"steps": a.steps + 1, "mtp_weight": MTP_WEIGHT if a.mtp else 0.0, "num_threads": a.threads},
         "log": {"run_dir": "/tmp/glm5-bench-train", "progress": False, "measure_peak": False}})
     trainer = Trainer(cfg, data=SyntheticData(mcfg.vocab_size, a.batch, a.seq))
     peak = _peak()
@@ -56,7 +60,8 @@ def child_glm5(a) -> dict:
         trainer.train_step()
         if i:
             times.append(time.perf_counter() - t)
-    return _result("glm5 Trainer", times, a, trainer.active_params, max(peak, _peak()))
+    return _result("glm5 Trainer" + (" (MTP on)" if a.mtp else ""), times, a, trainer.active_params,
+                   max(peak, _peak()))
 
 
 def profile(a) -> None:
@@ -69,9 +74,9 @@ def profile(a) -> None:
     from glm5.train.data import SyntheticData
     from glm5.train.trainer import Trainer
     cfg = from_dict(TrainConfig, {
-        "model": {"name": "small", "overrides": {"num_nextn_predict_layers": 0, "num_hidden_layers": a.layers}},
+        "model": {"name": "small", "overrides": {"num_nextn_predict_layers": int(a.mtp), "num_hidden_layers": a.layers}},
         "optim": {"lr": 1e-4}, "schedule": {"warmup_steps": 1},
-        "train": {"steps": 4, "mtp_weight": 0.0, "num_threads": a.threads},
+        "train": {"steps": 4, "mtp_weight": MTP_WEIGHT if a.mtp else 0.0, "num_threads": a.threads},
         "log": {"run_dir": "/tmp/glm5-bench-train", "progress": False, "measure_peak": False}})
     trainer = Trainer(cfg, data=SyntheticData(_model_cfg(a.layers).vocab_size, a.batch, a.seq))
     trainer.train_step()
@@ -143,15 +148,18 @@ def _run_child(a, impl: str, tree: str | None = None) -> dict:
     """One child process; `tree`: import glm5 from that directory instead (a checkout of another commit)."""
     argv = [sys.executable, __file__, "--child", impl] + [f"--{k}={getattr(a, k)}" for k in
                                                           ("batch", "seq", "steps", "layers", "threads")]
+    argv += ["--mtp"] if a.mtp else []
     env = {**os.environ, "PYTHONPATH": tree} if tree else None
     out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
     row = json.loads(out)
     if tree:
-        row["impl"] = f"glm5 Trainer, baseline tree {os.path.basename(tree.rstrip('/'))}"
+        row["impl"] = f"glm5 Trainer, baseline tree {os.path.basename(tree.rstrip('/'))}" + (" (MTP on)" if a.mtp else "")
     return row
 
 
 def single(a) -> None:
+    if a.mtp:  # transformers has no MTP loss: the glm5 Trainer, before/after
+        return mtp_rounds(a)
     rounds = []
     for _ in range(a.rounds):
         rows = []
@@ -173,6 +181,28 @@ def single(a) -> None:
     if a.baseline:  # MFU ratio: tokens/s per GFLOP/s of each child's own peak, i.e. corrected for the load
         print(f"glm5 Trainer / baseline tree's Trainer: tokens/s {ratio(0, 3):.2f}x, MFU {ratio(0, 3, 'mfu'):.2f}x; "
               f"baseline / HF {ratio(3, 2):.2f}x, baseline MFU {med([rows[3]['mfu'] for rows in rounds]):.1%}")
+
+
+def mtp_rounds(a) -> None:
+    """The glm5 Trainer with the MTP layer and its loss on, and the `--baseline` tree's, interleaved."""
+    trees = [None] + ([a.baseline] if a.baseline else [])
+    rounds = []
+    for _ in range(a.rounds):
+        rounds.append([_run_child(a, "glm5", tree) for tree in trees])
+        for r in rounds[-1]:
+            print(json.dumps({"round": len(rounds) - 1, **r}), flush=True)
+    print(f"MTP on (weight {MTP_WEIGHT}), batch {a.batch} x seq {a.seq}, small preset with {a.layers} layers + 1 MTP "
+          f"layer, {a.steps} timed steps (median), {a.threads} threads, {a.rounds} interleaved rounds")
+    print(f"{'round':<6}{'impl':<56}{'tokens/s':>10}{'step s':>9}{'peak MB':>9}{'GFLOP/s':>9}{'MFU':>8}")
+    for k, rows in enumerate(rounds):
+        for r in rows:
+            print(f"{k:<6}{r['impl']:<56}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_rss_mb']:>9.0f}"
+                  f"{r['peak_flops'] / 1e9:>9.1f}{r['mfu']:>8.1%}")
+    if a.baseline:
+        med = statistics.median
+        print(f"median over rounds: Trainer / baseline tree's Trainer tokens/s "
+              f"{med([r[0]['tokens_per_s'] / r[1]['tokens_per_s'] for r in rounds]):.2f}x, "
+              f"MFU {med([r[0]['mfu'] / r[1]['mfu'] for r in rounds]):.2f}x")
 
 
 LAYOUTS = {"1 process": {}, "fsdp x2": {"data_parallel": 2}, "ep x2": {"expert_parallel": 2},
@@ -219,6 +249,8 @@ def main() -> None:
                    "main glm5 | tar -x -C DIR`): its Trainer runs as a fourth child in every round")
     p.add_argument("--parallel", action="store_true", help="the torchrun layouts instead of the 1-process step")
     p.add_argument("--profile", action="store_true", help="profile one glm5 Trainer step instead")
+    p.add_argument("--mtp", action="store_true", help="the glm5 Trainer(s) only, with the MTP layer and loss on "
+                   "(transformers has none)")
     p.add_argument("--child", choices=["glm5", "glm5-plain", "hf"])
     a = p.parse_args()
     if a.child:
