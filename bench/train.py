@@ -210,30 +210,53 @@ LAYOUTS = {"1 process": {}, "fsdp x2": {"data_parallel": 2}, "ep x2": {"expert_p
 
 
 def parallel(a) -> None:
-    """`glm5 train` on the tiny preset under torchrun for each layout (same global batch: 8 x 128 per
-    micro-batch, 2 micro-batches), profiling every step's communication; medians of the steps after
-    the first."""
+    """The tiny preset under torchrun for each layout (same global batch: 8 x 128 tokens per micro-batch, 2
+    micro-batches, MTP on; SyntheticData in the elastic order, so every layout trains on the same rows).
+    Every other step runs under the profiler for its communication time (comm share: of that step's wall
+    time); tokens/s, MFU and step time are medians of the other steps (the first one excluded)."""
     import tempfile
 
     from glm5.core.log import read_metrics
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    print(f"tiny preset, global batch 2 x 8 x 128 tokens per step, {a.steps} steps (median of all but the first)")
-    print(f"{'layout':<16}{'tokens/s':>10}{'MFU':>8}{'comm share':>12}{'comm s/step':>13}")
+    print(f"tiny preset, global batch 2 x 8 x 128 tokens per step, {a.steps} steps, 1 thread per rank; "
+          "comm share from the profiled (even) steps, the rest from the odd ones")
+    print(f"{'layout':<16}{'tokens/s':>10}{'MFU':>8}{'comm share':>12}{'comm s/step':>13}{'step s':>9}")
     for name, par in LAYOUTS.items():
         with tempfile.TemporaryDirectory() as run:
-            D = 2 // (par.get("tensor_parallel", 1) * par.get("pipeline_parallel", 1)) if par else 1
-            args = ["--config", "configs/train/tiny.toml", f"--train.steps={a.steps}", "--train.grad_accum=2",
-                    "--train.time_limit_min=0", "--data.seq_len=128", f"--data.batch_size={8 // D}",
-                    "--train.num_threads=1", "--log.every=1", "--log.progress=false", "--log.eval_batches=1",
-                    "--checkpoint.at_exit=false", "--log.profile_comm_every=1", f"--log.run_dir={run}",
-                    *[f"--parallel.{k}={v}" for k, v in par.items()]]
-            launch = [sys.executable, "-m", "glm5.train"] if not par else \
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "glm5.train"]
-            subprocess.run(launch + args, env=env, check=True, capture_output=True)
+            worker = [__file__, "--parallel-worker", name, f"--steps={a.steps}", f"--out-dir={run}"]
+            launch = [sys.executable] if not par else \
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            done = subprocess.run(launch + worker, env=env, capture_output=True, text=True)
+            if done.returncode:
+                print(f"{name:<16} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+                continue
             recs = [r for r in read_metrics(f"{run}/metrics.jsonl") if "tokens_per_s" in r][1:]
-        med = lambda k: sorted(r.get(k, 0.0) for r in recs)[len(recs) // 2]  # noqa: E731
-        print(f"{name:<16}{med('tokens_per_s'):>10.0f}{med('mfu'):>8.1%}{med('comm_frac'):>12.0%}{med('comm_s'):>13.3f}")
+        plain = [r for r in recs if "comm_frac" not in r]  # speed from the steps the profiler left alone
+        prof = [r for r in recs if "comm_frac" in r] or [{}]
+        med = lambda rows, k: sorted(r.get(k, 0.0) for r in rows)[len(rows) // 2]  # noqa: E731
+        print(f"{name:<16}{med(plain, 'tokens_per_s'):>10.0f}{med(plain, 'mfu'):>8.1%}{med(prof, 'comm_frac'):>12.0%}"
+              f"{med(prof, 'comm_s'):>13.3f}{med(plain, 'step_s'):>9.2f}", flush=True)
+
+
+def parallel_worker(a) -> None:
+    """One rank of a `--parallel` layout (or the single process): Trainer.fit() on SyntheticData, this rank's
+    rows of the global batch by its data coordinates on the ("pp", "dp", "ep", "tp") mesh."""
+    from glm5.core.config import from_dict
+    from glm5.model.config import ModelConfig
+    from glm5.train.config import TrainConfig
+    from glm5.train.data import SyntheticData
+    from glm5.train.trainer import Trainer
+    par = LAYOUTS[a.parallel_worker]
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    tp, pp = par.get("tensor_parallel", 1), par.get("pipeline_parallel", 1)
+    D = world // (tp * pp)
+    cfg = from_dict(TrainConfig, {
+        "model": {"name": "tiny"}, "optim": {"lr": 5e-3}, "schedule": {"warmup_steps": 1},
+        "train": {"steps": a.steps, "grad_accum": 2, "mtp_weight": 0.3, "num_threads": 1},
+        "parallel": par, "checkpoint": {"at_exit": False},
+        "log": {"run_dir": a.out_dir, "every": 1, "progress": False, "eval_batches": 1, "profile_comm_every": 2}})
+    vocab = ModelConfig.from_preset("tiny").vocab_size
+    Trainer(cfg, data=SyntheticData(vocab, 8 // D, 128, seed=1, rank=(rank // tp) % D, world_size=D)).fit()
 
 
 def main() -> None:
@@ -252,8 +275,12 @@ def main() -> None:
     p.add_argument("--mtp", action="store_true", help="the glm5 Trainer(s) only, with the MTP layer and loss on "
                    "(transformers has none)")
     p.add_argument("--child", choices=["glm5", "glm5-plain", "hf"])
+    p.add_argument("--parallel-worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.child:
+    if a.parallel_worker:
+        parallel_worker(a)
+    elif a.child:
         print(json.dumps((child_glm5 if a.child == "glm5" else child_plain)(a)))
     elif a.parallel:
         parallel(a)
