@@ -81,12 +81,14 @@ class MLAttention(nn.Module):
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [.., H, E] -> latent-space query [.., H, R] (q . W_uk c == (W_uk^T q) . c)."""
         w_uk, _ = self._kv_b()
-        return torch.einsum("...he,her->...hr", q_nope, w_uk)
+        q = q_nope.reshape(-1, *q_nope.shape[-2:]).transpose(0, 1)  # [H, n, E]
+        return torch.bmm(q, w_uk).transpose(0, 1).reshape(*q_nope.shape[:-1], -1)  # one bmm (einsum: +10 us)
 
     def latent_to_heads(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Attention output in latent space [.., H, R] -> per-head values [.., H, V] (W_uv)."""
         _, w_uv = self._kv_b()
-        return torch.einsum("...hr,hvr->...hv", o_lat, w_uv)
+        o = o_lat.reshape(-1, *o_lat.shape[-2:]).transpose(0, 1)  # [H, n, R]
+        return torch.bmm(o, w_uv.transpose(1, 2)).transpose(0, 1).reshape(*o_lat.shape[:-1], -1)
 
     def latent_to_output(self, o_lat: torch.Tensor) -> torch.Tensor:
         """Attention output in latent space [.., H, R] -> hidden [.., hidden_size] (W_uv then o_proj)."""
