@@ -167,9 +167,9 @@ def test_kept_gradient_buffers_train_like_freed_ones(tmp_path):
     6 steps equal those of a trainer that frees its gradients (zero_grad(set_to_none=True)): untouched
     parameters are skipped by AdamW, not stepped on zero gradients."""
     sections = {"train": {"objectives": {"clm": 1.0, "glm": 1.0}, "mtp_weight": 0.3}}
-    kept, freed = make(tmp_path / "a", steps=6, **sections), make(tmp_path / "b", steps=6, **sections)
-    assert kept.kept_grads is not None
-    freed.kept_grads = None
+    kept = make(tmp_path / "a", steps=6, **sections)
+    freed = make(tmp_path / "b", steps=6, **{"train": {**sections["train"], "keep_grad_buffers": False}})
+    assert kept.kept_grads is not None and freed.kept_grads is None
     for t in (kept, freed):
         t.fit()
     drawn = [{k for k, n in h["objectives"].items() if n} for h in kept.history]

@@ -119,8 +119,10 @@ class Trainer:
         if self.micro_fn is forward_micro and self.fused_ce:
             self.micro_fn = functools.partial(forward_micro, fused_ce=True)
         self.pp_group = plan.pp_group if plan else None
-        # one process: gradient buffers live on between steps (no page faults refilling them; grads.py)
-        self.kept_grads = KeptGrads() if not self.distributed else None
+        # one process on CPU: gradient buffers live on between steps (no page faults refilling them;
+        # grads.py). CUDA's caching allocator already reuses freed blocks.
+        keep = cfg.train.keep_grad_buffers and not self.distributed and self.device.type == "cpu"
+        self.kept_grads = KeptGrads() if keep else None
         if self.pipeline is not None and cfg.dsa.indexer_loss_coef > 0:
             raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
         self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
