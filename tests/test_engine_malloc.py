@@ -13,12 +13,10 @@ import resource, sys, torch
 from glm5.infer.malloc import tune_malloc
 if sys.argv[1] == "1":
     assert tune_malloc()
-x = torch.randn(2**20)
-for _ in range(3):
-    x.repeat(4) * 2
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(200):
-    y = x.repeat(4) * 2  # two 16 MiB tensors per round, freed by the next
+for mib in range(1, 31):  # each size once, growing: glibc's own threshold only follows freed sizes, so
+    y = torch.ones(mib * 2**18)  # untuned every tensor is a fresh mmap (~120K faults); tuned, heap pages
+    del y  # are reused (the heap grows to 30 MiB once: ~8K faults)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 
