@@ -73,10 +73,11 @@ def run_engine(engine: LLMEngine, prompts, max_tokens: int) -> tuple[float, list
     return elapsed, [done[f"b{i}-{t}"] for i in range(len(prompts))]
 
 
-def hf_model(ckpt: str):
+def hf_model(ckpt: str, dtype: torch.dtype = torch.float32, device: str = "cpu", attn: str = "eager"):
+    """transformers' model of the checkpoint (bench/gpu_check.py asks for bf16 + sdpa on CUDA)."""
     import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager",
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation=attn,
+                                                             dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()
@@ -90,8 +91,8 @@ def run_hf(hf, prompts, max_tokens: int, batch: int) -> tuple[float, list[list[i
         mask = torch.zeros(len(chunk), L, dtype=torch.long)
         for i, p in enumerate(chunk):  # left padding
             ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p), 1
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)
+        out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=max_tokens,
+                          min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
         outs += out[:, L:].tolist()
     return time.perf_counter() - t, outs
 
@@ -118,6 +119,8 @@ def timed(fn, *a) -> tuple[float, float]:
 
 
 def stamp() -> tuple[float, float]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # CUDA runs (bench/gpu_check.py): work done
+        torch.cuda.synchronize()
     return time.perf_counter(), time.process_time()
 
 
@@ -149,11 +152,12 @@ def hf_decode_tok_s(hf, prompt, n: int) -> tuple[float, float]:
 
         def __call__(self, input_ids, scores, **kw):
             self.t.append(stamp())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     st = Stamps()
-    hf.generate(torch.tensor([prompt]), max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False,
-                pad_token_id=0, eos_token_id=None, stopping_criteria=transformers.StoppingCriteriaList([st]))
+    hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=n + 1, min_new_tokens=n + 1,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+                stopping_criteria=transformers.StoppingCriteriaList([st]))
     return rate(n, st.t[0], st.t[-1])
 
 

@@ -14,6 +14,7 @@ right before and after its timed steps (the best of both): MFU is relative to th
   python bench/train.py --profile                     # torch.profiler table of one glm5 Trainer step
   python bench/train.py --mtp --baseline DIR          # the Trainer with the MTP layer and loss, before/after
   python bench/train.py --parallel [--steps 4]     # torchrun layouts: tokens/s, MFU, communication share
+  python bench/train.py --device cuda --layers 8 --batch 16 --seq 1024   # on a GPU: bf16 autocast, fp32 masters
 """
 from __future__ import annotations
 
@@ -53,15 +54,20 @@ def child_glm5(a) -> dict:
         "train": {"steps": a.steps + 1, "mtp_weight": MTP_WEIGHT if a.mtp else 0.0, "num_threads": a.threads},
         "log": {"run_dir": "/tmp/glm5-bench-train", "progress": False, "measure_peak": False}})
     trainer = Trainer(cfg, data=SyntheticData(mcfg.vocab_size, a.batch, a.seq))
-    peak = _peak()
+    if trainer.device.type != a.device:
+        raise SystemExit(f"--device {a.device}: the Trainer picked {trainer.device} (it uses CUDA whenever "
+                         "there is one; hide it with CUDA_VISIBLE_DEVICES= for a CPU run)")
+    peak = _peak(a.device)
     times = []
     for i in range(a.steps + 1):
         t = time.perf_counter()
         trainer.train_step()
+        _sync(a.device)
         if i:
             times.append(time.perf_counter() - t)
-    return _result("glm5 Trainer" + (" (MTP on)" if a.mtp else ""), times, a, trainer.active_params,
-                   max(peak, _peak()))
+    row = _result("glm5 Trainer" + (" (MTP on)" if a.mtp else ""), times, a, trainer.active_params,
+                  max(peak, _peak(a.device)))
+    return {**row, "experts": experts_path(a.device)}
 
 
 def profile(a) -> None:
@@ -88,11 +94,27 @@ def profile(a) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=40))
 
 
-def _peak() -> float:
+def _peak(device: str = "cpu") -> float:
+    """The matmul peak in the training compute dtype: fp32 on CPU, bf16 (autocast's) on CUDA."""
     import torch
 
     from glm5.train.perf import measure_matmul_peak
-    return measure_matmul_peak(torch.device("cpu"), torch.float32, use_cache=False)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return measure_matmul_peak(torch.device(device), dtype, use_cache=False)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def experts_path(device: str) -> str:
+    """Which routed-expert kernel glm5's training step ran (glm5/model/moe.py `grouped_swiglu`)."""
+    if device != "cuda":
+        return "per-expert loop (CPU)"
+    from glm5.model.moe import _GROUPED_MM_OK
+    return "per-expert loop (torch._grouped_mm failed here)" if _GROUPED_MM_OK.get(0) is False else "torch._grouped_mm"
 
 
 def child_plain(a) -> dict:
@@ -105,32 +127,39 @@ def child_plain(a) -> dict:
     set_threads(a.threads)
     torch.manual_seed(0)
     mcfg = _model_cfg(a.layers)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.device == "cuda")  # as the Trainer's
     if a.child == "hf":
         import transformers
         hcfg = transformers.GlmMoeDsaConfig(**{k: v for k, v in mcfg.to_dict().items() if k != "dtype"})
         hcfg._attn_implementation = "sdpa"
-        model = transformers.GlmMoeDsaForCausalLM(hcfg).train()
+        if a.hf_experts:  # else transformers' default (grouped_mm where it can dispatch)
+            hcfg._experts_implementation = a.hf_experts
+        model = transformers.GlmMoeDsaForCausalLM(hcfg).to(a.device).train()
         name = "transformers GlmMoeDsaForCausalLM (sdpa), plain loop"
+        experts = f"transformers experts_implementation={model.config._experts_implementation}"
     else:
-        model = GLM5ForCausalLM(mcfg).init_weights(0).train()
+        model = GLM5ForCausalLM(mcfg).init_weights(0).to(a.device).train()
         name = "glm5 GLM5ForCausalLM, plain loop"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    x = torch.randint(0, mcfg.vocab_size, (a.batch, a.seq + 1))
-    peak = _peak()
+    x = torch.randint(0, mcfg.vocab_size, (a.batch, a.seq + 1)).to(a.device)
+    peak = _peak(a.device)
     times = []
     for i in range(a.steps + 1):
         t = time.perf_counter()
-        logits = model(x[:, :-1]).logits
+        with autocast:
+            logits = model(x[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(a.device)
         if i:
             times.append(time.perf_counter() - t)
     with torch.device("meta"):
         n_active = active_params(GLM5ForCausalLM(mcfg))
-    return _result(name, times, a, n_active, max(peak, _peak()))
+    row = _result(name, times, a, n_active, max(peak, _peak(a.device)))
+    return {**row, "experts": experts} if a.child == "hf" else {**row, "experts": experts_path(a.device)}
 
 
 def _result(name: str, times: list[float], a, n_active: int, peak: float) -> dict:
@@ -139,18 +168,23 @@ def _result(name: str, times: list[float], a, n_active: int, peak: float) -> dic
     from glm5.train.perf import mfu
     dt = sorted(times)[len(times) // 2]
     tps = a.batch * a.seq / dt
-    return {"impl": name, "tokens_per_s": tps, "step_s": dt, "peak_rss_mb": _peak_rss_mb(),
-            "active_params": n_active, "threads": torch.get_num_threads(), "peak_flops": peak,
-            "mfu": mfu(n_active, tps, peak)}
+    row = {"impl": name, "tokens_per_s": tps, "step_s": dt, "peak_rss_mb": _peak_rss_mb(),
+           "active_params": n_active, "threads": torch.get_num_threads(), "peak_flops": peak,
+           "mfu": mfu(n_active, tps, peak)}
+    if a.device == "cuda":
+        row["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return row
 
 
-def _run_child(a, impl: str, tree: str | None = None) -> dict:
+def _run_child(a, impl: str, tree: str | None = None, timeout: float | None = None) -> dict:
     """One child process; `tree`: import glm5 from that directory instead (a checkout of another commit)."""
     argv = [sys.executable, __file__, "--child", impl] + [f"--{k}={getattr(a, k)}" for k in
-                                                          ("batch", "seq", "steps", "layers", "threads")]
+                                                          ("batch", "seq", "steps", "layers", "threads", "device")]
     argv += ["--mtp"] if a.mtp else []
+    argv += [f"--hf-experts={a.hf_experts}"] if getattr(a, "hf_experts", "") else []
     env = {**os.environ, "PYTHONPATH": tree} if tree else None
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env,
+                         timeout=timeout).stdout.strip().splitlines()[-1]
     row = json.loads(out)
     if tree:
         row["impl"] = f"glm5 Trainer, baseline tree {os.path.basename(tree.rstrip('/'))}" + (" (MTP on)" if a.mtp else "")
@@ -268,6 +302,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads in every child (the same for all: "
                    "comparable on a shared machine)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--hf-experts", default="", help="transformers' experts_implementation (eager, batched_mm, "
+                   "grouped_mm; default: transformers' choice)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: every child on the GPU, bf16 "
+                   "autocast with fp32 master weights (the Trainer's default there), MFU vs the bf16 matmul peak")
     p.add_argument("--baseline", help="a directory holding another version's glm5 package (e.g. `git archive "
                    "main glm5 | tar -x -C DIR`): its Trainer runs as a fourth child in every round")
     p.add_argument("--parallel", action="store_true", help="the torchrun layouts instead of the 1-process step")
