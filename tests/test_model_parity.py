@@ -137,3 +137,25 @@ def test_generation_config_round_trips_through_transformers(tmp_path):
     assert back.generation_config.sampling_defaults() == {"temperature": 0.7, "top_p": 0.95, "top_k": 20}
     assert back.generation_config.eos_token_ids == (1,)
     assert GenerationConfig.from_pretrained(tmp_path / "c") is None  # no file: nothing to read
+
+
+def test_rmsnorm_backward_matches_autograd_formula():
+    """RMSNorm's hand-written fp32 backward (layers._RMSNormFn) against autograd through the plain
+    formula (transformers' GlmMoeDsaRMSNorm, fp32), and gradcheck in float64 via the Function."""
+    from glm5.model.layers import RMSNorm, _RMSNormFn
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    x = torch.randn(3, 7, 24, generator=g, requires_grad=True)
+    dy = torch.randn(3, 7, 24, generator=g)
+    norm(x).backward(dy)
+    got = x.grad.clone(), norm.weight.grad.clone()
+    x.grad = norm.weight.grad = None
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    ref.backward(dy)
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], norm.weight.grad)
+    x64 = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w64 = torch.rand(6, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a, b: _RMSNormFn.apply(a, b, 1e-5), (x64, w64))
