@@ -1,7 +1,9 @@
 """Serving load generator (loopback only, bounded in time), with `vllm bench serve` metric definitions.
 
     python bench/serve.py --model small [--engine.KEY=VALUE ...] [--concurrency 1 8 32 64]
-           [--input-len 128] [--output-len 64] [--duration-s 60] [--knobs "A;B"] [--out results.json]
+           [--input-len 128 | --input-len-range 16 512 [--input-len-dist log-uniform]] [--output-len 64]
+           [--duration-s 60] [--knobs "A;B"] [--knob-concurrency 16] [--request-rate 8] [--out results.json]
+           [--seed 0]                                      # a bare --concurrency: only the --knobs runs
     python bench/serve.py --url http://127.0.0.1:8000 ...   # an already running server
     python bench/serve.py --model small --hot-swap [--swap-concurrency 32] [--swap-layers 2] [--swap-experts 4]
            [--swap-cycles 2] [--swap-settle-s 10] [--swap-baseline-s 40] [--swap-hold-s 25] [--input-len 32]
@@ -14,7 +16,14 @@ mean/p50/p99 of TTFT (send -> first streamed token), TPOT ((e2e - TTFT) / (outpu
 between streamed chunks) and E2EL. The 64-vs-1 throughput ratio is the batching gain. `--knobs` reruns
 one level with engine overrides per server (e.g. "preferred_batch_size=1,batch_timeout_ms=0;
 preferred_batch_size=16,batch_timeout_ms=200") under Poisson arrivals (`--request-rate`) to show the
-dynamic-batching trade (TTFT vs throughput).
+dynamic-batching trade (TTFT vs throughput). Repeating a set (ABAB) repeats its server; the knob summary gives
+each set's median over its repeats and the ratio to the first set, per rate.
+
+Prompt lengths: fixed at `--input-len`, or with `--input-len-range LO HI` drawn per prompt in [LO, HI]
+(`--input-len-dist uniform` or `log-uniform`, the default: as many short as long prompts per octave) from
+`--seed`, so the sweep and every knob server get the same prompts for the same level; the JSON records the
+arguments and each row's prompt-length min/p50/max. A spread is what gives length grouping
+(`batch_by_length`) something to group.
 
 `--hot-swap` runs only this scenario: `--swap-concurrency` closed-loop streaming clients (each sends its next
 request as soon as its last one ends) for settle + baseline seconds; then, while they keep streaming,
@@ -37,9 +46,11 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import random
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,10 +123,35 @@ async def one_request(h: httpx.AsyncClient, url: str, model: str, prompt: list[i
             "t0": t0, "t1": t1, "times": times, "version": header_version, "chunk_versions": chunk_versions}
 
 
-async def run_level(url, model, concurrency, num_prompts, in_len, out_len, vocab, duration_s,
-                    request_rate=None, seed=0) -> dict:
+def prompt_lengths(rng: random.Random, n: int, in_len: int, len_range: tuple[int, int] | None = None,
+                   dist: str = "log-uniform") -> list[int]:
+    """`n` prompt lengths: all `in_len`, or drawn from `rng` in [lo, hi] (both ends included) of `len_range`,
+    uniform in the length or in its log (`dist`)."""
+    if len_range is None:
+        return [in_len] * n
+    lo, hi = len_range
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--input-len-range needs 1 <= LO <= HI, got {lo} {hi}")
+    if dist == "uniform":
+        return [rng.randint(lo, hi) for _ in range(n)]
+    if dist == "log-uniform":  # floor of exp(U[log lo, log (hi + 1))): each length in [lo, hi], log-spread
+        return [min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))) for _ in range(n)]
+    raise ValueError(f"--input-len-dist must be uniform or log-uniform, got {dist!r}")
+
+
+def make_prompts(seed: int, n: int, in_len: int, vocab: int, len_range: tuple[int, int] | None = None,
+                 dist: str = "log-uniform") -> list[list[int]]:
+    """`n` random token-id prompts (ids in [100, vocab - 100)), lengths by `prompt_lengths`; the same `seed`
+    gives the same prompts."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(in_len)] for _ in range(num_prompts)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(k)]
+            for k in prompt_lengths(rng, n, in_len, len_range, dist)]
+
+
+async def run_level(url, model, concurrency, num_prompts, in_len, out_len, vocab, duration_s,
+                    request_rate=None, seed=0, len_range=None, len_dist="log-uniform") -> dict:
+    prompts = make_prompts(seed, num_prompts, in_len, vocab, len_range, len_dist)
+    rng = random.Random(seed + 1)  # arrivals
     sem = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + duration_s
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -147,6 +183,8 @@ def summarize(results: list[dict], wall: float, concurrency: int) -> dict:
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "duration_s": wall,
         "failed_by_kind": dict(collections.Counter(r["kind"] for r in results if not r["ok"])),
         "total_input": sum(r["in"] for r in ok), "total_output": out_tokens,
+        "input_len": {"min": min((r["in"] for r in ok), default=None), "p50": pct([r["in"] for r in ok], 50),
+                      "max": max((r["in"] for r in ok), default=None)},
         "request_throughput": len(ok) / wall, "output_throughput": out_tokens / wall,
         "ttft_ms": ms([r["ttft"] for r in ok]), "tpot_ms": ms([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_ms": ms([x for r in ok for x in r["itl"]]), "e2el_ms": ms([r["e2e"] for r in ok]),
@@ -193,7 +231,8 @@ def bench_server(url, args, levels, request_rate=None, num_prompts=0) -> list[di
     for c in levels:
         n = num_prompts or args.num_prompts or max(4 * c, 8)
         row = asyncio.run(run_level(url, model, c, n, args.input_len, args.output_len, args.vocab,
-                                    args.duration_s, request_rate))
+                                    args.duration_s, request_rate, args.seed, args.input_len_range,
+                                    args.input_len_dist))
         print(json.dumps({k: row[k] for k in ("concurrency", "completed", "failed", "output_throughput")}),
               flush=True)
         rows.append(row)
@@ -226,6 +265,40 @@ def knob_runs(args, engine_opts: list[str]) -> list[dict]:
         finally:
             s.stop()
     return rows
+
+
+def knob_summary(rows: list[dict]) -> list[dict]:
+    """Per request rate and knob set (in first-seen order): the median over its repeats of output tok/s,
+    req/s and TTFT/TPOT p50/p99, and each as a ratio to the first set at that rate."""
+    keys = {"out tok/s": ("output_throughput",), "req/s": ("request_throughput",),
+            "TTFT p50": ("ttft_ms", "p50"), "TTFT p99": ("ttft_ms", "p99"),
+            "TPOT p50": ("tpot_ms", "p50"), "TPOT p99": ("tpot_ms", "p99")}
+    get = lambda r, path: r[path[0]] if len(path) == 1 else r[path[0]][path[1]]
+    out = []
+    for rate in dict.fromkeys(r.get("request_rate") for r in rows):
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            if r.get("request_rate") == rate:
+                groups.setdefault(r["label"], []).append(r)
+        base = None
+        for label, rs in groups.items():
+            med = {k: statistics.median([get(r, path) for r in rs]) for k, path in keys.items()}
+            base = base or med
+            out.append({"label": label, "request_rate": rate, "repeats": len(rs),
+                        "failed": sum(r["failed"] for r in rs), "median": med,
+                        "ratio_to_first": {k: med[k] / base[k] if base[k] else float("nan") for k in keys}})
+    return out
+
+
+def knob_summary_table(summary: list[dict]) -> str:
+    cols = ("out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99")
+    lines = ["| run | rate/s | repeats | failed | " + " | ".join(f"{c} (ratio)" for c in cols) + " |",
+             "|" + "---|" * (4 + len(cols))]
+    for s in summary:
+        cells = [f"{s['median'][c]:.1f} ({s['ratio_to_first'][c]:.2f}x)" for c in cols]
+        lines.append(f"| {s['label']} | {s['request_rate'] or 'inf'} | {s['repeats']} | {s['failed']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # ---- hot swap under streaming load (--hot-swap) ------------------------------------------------------------
@@ -433,13 +506,31 @@ def hot_swap(url: str, args) -> dict:
     return rep
 
 
+def sweep(args, engine_opts: list[str]) -> list[dict]:
+    """The concurrency levels on one server (started here unless `--url`)."""
+    server = None if args.url else Server(args.model, engine_opts, args.out + ".server.log")
+    try:
+        if server:
+            server.wait(args.startup_timeout_s)
+        return bench_server(args.url or server.url, args, args.concurrency)
+    finally:
+        if server:
+            server.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="small")
     p.add_argument("--url", help="benchmark this running server instead of starting one")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 64],
+                   help="closed-loop levels; none (a bare --concurrency) = only the --knobs runs")
     p.add_argument("--num-prompts", type=int, default=0, help="per level (default 4 x concurrency)")
     p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len-range", type=int, nargs=2, metavar=("LO", "HI"), default=None,
+                   help="draw each prompt's length in [LO, HI] instead of --input-len (sweep and knob runs)")
+    p.add_argument("--input-len-dist", choices=("uniform", "log-uniform"), default="log-uniform",
+                   help="how --input-len-range lengths are drawn")
+    p.add_argument("--seed", type=int, default=0, help="prompts (ids and lengths) and Poisson arrivals")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=8000, help="prompt ids are drawn from [100, vocab - 100)")
     p.add_argument("--duration-s", type=float, default=60.0, help="per level: no new request after this")
@@ -464,26 +555,20 @@ def main() -> int:
     result: dict = {"args": vars(args), "engine_opts": engine_opts}
     if args.hot_swap:
         return hot_swap_main(args, engine_opts, result)
-    server = None if args.url else Server(args.model, engine_opts, args.out + ".server.log")
-    try:
-        if server:
-            server.wait(args.startup_timeout_s)
-        url = args.url or server.url
-        rows = bench_server(url, args, args.concurrency)
-        result["levels"] = rows
-        by_c = {r["concurrency"]: r["output_throughput"] for r in rows}
-        if 1 in by_c and max(by_c) > 1:
-            result["throughput_ratio_max_vs_1"] = by_c[max(by_c)] / by_c[1]
-    finally:
-        if server:
-            server.stop()
+    result["levels"] = sweep(args, engine_opts) if args.concurrency else []
+    by_c = {r["concurrency"]: r["output_throughput"] for r in result["levels"]}
+    if 1 in by_c and max(by_c) > 1:
+        result["throughput_ratio_max_vs_1"] = by_c[max(by_c)] / by_c[1]
     result["knobs"] = knob_runs(args, engine_opts)
-    print(table(result["levels"], "levels"))
+    result["knob_summary"] = knob_summary(result["knobs"])
+    if result["levels"]:
+        print(table(result["levels"], "levels"))
     if "throughput_ratio_max_vs_1" in result:
         print(f"\noutput throughput at concurrency {max(by_c)} / concurrency 1 = "
               f"{result['throughput_ratio_max_vs_1']:.2f}x")
     if result["knobs"]:
         print("\ndynamic batching knobs (Poisson arrivals):\n" + table(result["knobs"]))
+        print("\nknob sets, median over repeats (ratio to the first set):\n" + knob_summary_table(result["knob_summary"]))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return 0
