@@ -567,7 +567,7 @@ def main() -> int:
         print(f"\noutput throughput at concurrency {max(by_c)} / concurrency 1 = "
               f"{result['throughput_ratio_max_vs_1']:.2f}x")
     if result["knobs"]:
-        print("\ndynamic batching knobs (Poisson arrivals):\n" + table(result["knobs"]))
+        print("\ndynamic batching knobs (Poisson arrivals; rate inf = all sent at once, closed loop):\n" + table(result["knobs"]))
         print("\nknob sets, median over repeats (ratio to the first set):\n" + knob_summary_table(result["knob_summary"]))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
