@@ -203,11 +203,7 @@ def single(a) -> None:
         rounds.append(rows)
     print(f"batch {a.batch} x seq {a.seq}, small preset with {a.layers} layers, {a.steps} timed steps (median), "
           f"{rounds[0][0]['threads']} threads, {a.rounds} interleaved rounds; MFU vs each child's fp32 matmul peak")
-    print(f"{'round':<6}{'impl':<56}{'threads':>8}{'tokens/s':>10}{'step s':>9}{'peak MB':>9}{'GFLOP/s':>9}{'MFU':>8}")
-    for k, rows in enumerate(rounds):
-        for r in rows:
-            print(f"{k:<6}{r['impl']:<56}{r['threads']:>8}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}"
-                  f"{r['peak_rss_mb']:>9.0f}{r['peak_flops'] / 1e9:>9.1f}{r['mfu']:>8.1%}")
+    _print_rounds(rounds, threads=True)
     med = statistics.median
     ratio = lambda i, j, k="tokens_per_s": med([rows[i][k] / rows[j][k] for rows in rounds])  # noqa: E731
     print(f"median over rounds: glm5 Trainer / HF tokens/s {ratio(0, 2):.2f}x, glm5 plain loop / HF {ratio(1, 2):.2f}x, "
@@ -215,6 +211,17 @@ def single(a) -> None:
     if a.baseline:  # MFU ratio: tokens/s per GFLOP/s of each child's own peak, i.e. corrected for the load
         print(f"glm5 Trainer / baseline tree's Trainer: tokens/s {ratio(0, 3):.2f}x, MFU {ratio(0, 3, 'mfu'):.2f}x; "
               f"baseline / HF {ratio(3, 2):.2f}x, baseline MFU {med([rows[3]['mfu'] for rows in rounds]):.1%}")
+
+
+def _print_rounds(rounds: list[list[dict]], threads: bool) -> None:
+    """One table row per child result of every round."""
+    print(f"{'round':<6}{'impl':<56}" + (f"{'threads':>8}" if threads else "")
+          + f"{'tokens/s':>10}{'step s':>9}{'peak MB':>9}{'GFLOP/s':>9}{'MFU':>8}")
+    for k, rows in enumerate(rounds):
+        for r in rows:
+            print(f"{k:<6}{r['impl']:<56}" + (f"{r['threads']:>8}" if threads else "")
+                  + f"{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_rss_mb']:>9.0f}"
+                  f"{r['peak_flops'] / 1e9:>9.1f}{r['mfu']:>8.1%}")
 
 
 def mtp_rounds(a) -> None:
@@ -227,11 +234,7 @@ def mtp_rounds(a) -> None:
             print(json.dumps({"round": len(rounds) - 1, **r}), flush=True)
     print(f"MTP on (weight {MTP_WEIGHT}), batch {a.batch} x seq {a.seq}, small preset with {a.layers} layers + 1 MTP "
           f"layer, {a.steps} timed steps (median), {a.threads} threads, {a.rounds} interleaved rounds")
-    print(f"{'round':<6}{'impl':<56}{'tokens/s':>10}{'step s':>9}{'peak MB':>9}{'GFLOP/s':>9}{'MFU':>8}")
-    for k, rows in enumerate(rounds):
-        for r in rows:
-            print(f"{k:<6}{r['impl']:<56}{r['tokens_per_s']:>10.0f}{r['step_s']:>9.2f}{r['peak_rss_mb']:>9.0f}"
-                  f"{r['peak_flops'] / 1e9:>9.1f}{r['mfu']:>8.1%}")
+    _print_rounds(rounds, threads=False)
     if a.baseline:
         med = statistics.median
         print(f"median over rounds: Trainer / baseline tree's Trainer tokens/s "

@@ -25,3 +25,14 @@ def tiny_model(seed: int = 0, bias_std: float = 0.0, **kw) -> GLM5ForCausalLM:
                 if name.endswith("e_score_correction_bias"):
                     b.normal_(0, bias_std)
     return m.eval()
+
+
+def autograd_expert_loop(xs, gate_up, down, counts) -> torch.Tensor:
+    """The experts' reference: autograd through one F.linear pair per expert over its contiguous rows."""
+    import torch.nn.functional as F
+    outs, lo = [], 0
+    for e, n in enumerate(counts.tolist()):
+        gate, up = F.linear(xs[lo: lo + n], gate_up[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[e]))
+        lo += n
+    return torch.cat(outs)

@@ -7,7 +7,7 @@ import torch
 
 from glm5.model.moe import MoE
 
-from ._tiny import tiny_config
+from ._tiny import autograd_expert_loop, tiny_config
 
 
 def _moe(seed=0, **kw):
@@ -169,8 +169,6 @@ def test_inference_expert_loop_equals_reference():
 def test_grouped_swiglu_backward_matches_autograd_loop():
     """The hand-written backward of the CPU expert loop equals autograd through per-expert F.linear
     (experts with no rows included), and passes gradcheck in float64."""
-    import torch.nn.functional as F
-
     from glm5.model.moe import grouped_swiglu
     g = torch.Generator().manual_seed(0)
     E, H, I = 5, 6, 4
@@ -184,12 +182,7 @@ def test_grouped_swiglu_backward_matches_autograd_loop():
     got = [t.grad.clone() for t in (xs, gu, dn)]
     for t in (xs, gu, dn):
         t.grad = None
-    outs, lo = [], 0
-    for e, n in enumerate(counts.tolist()):
-        gate, u = F.linear(xs[lo: lo + n], gu[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * u, dn[e]))
-        lo += n
-    (torch.cat(outs) * up).sum().backward()
+    (autograd_expert_loop(xs, gu, dn, counts) * up).sum().backward()
     for a, t in zip(got, (xs, gu, dn)):
         torch.testing.assert_close(a, t.grad)
 
@@ -199,8 +192,6 @@ def test_grouped_swiglu_accumulates_into_existing_grads_like_autograd(hooked):
     """With `.grad` already set (gradient accumulation, or a trainer that zeroes instead of freeing),
     the weight gradients are added in place; the result equals autograd's accumulation of the per-expert
     F.linear loop over two backward passes (one of them with an empty expert), hooks or not."""
-    import torch.nn.functional as F
-
     from glm5.model.moe import grouped_swiglu
     g = torch.Generator().manual_seed(3)
     E, H, I = 4, 6, 5
@@ -218,11 +209,6 @@ def test_grouped_swiglu_accumulates_into_existing_grads_like_autograd(hooked):
     assert len(calls) == (2 if hooked else 0)
     gu.grad = dn.grad = None
     for (counts, x), up in zip(passes, ups):
-        outs, lo = [], 0
-        for e, n in enumerate(counts.tolist()):
-            gate, u = F.linear(x[lo: lo + n], gu[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * u, dn[e]))
-            lo += n
-        (torch.cat(outs) * up).sum().backward()
+        (autograd_expert_loop(x, gu, dn, counts) * up).sum().backward()
     torch.testing.assert_close(got[0], gu.grad)
     torch.testing.assert_close(got[1], dn.grad)

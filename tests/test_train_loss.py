@@ -17,6 +17,7 @@ from glm5.train.loss import linear_ce_sum
 from glm5.train.data import SyntheticData
 from glm5.train.step import forward_micro, micro_loss
 from glm5.train.trainer import Trainer
+from tests._tiny import autograd_expert_loop
 from tests.test_train_loop import MODEL, make
 
 
@@ -71,16 +72,6 @@ def test_linear_ce_only_ignored_labels_is_zero():
     assert float(loss.detach()) == 0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
-def _autograd_expert_loop(xs, gate_up, down, counts):
-    """The reference: autograd through one F.linear pair per expert."""
-    outs, lo = [], 0
-    for e, n in enumerate(counts.tolist()):
-        gate, up = F.linear(xs[lo: lo + n], gate_up[e]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down[e]))
-        lo += n
-    return torch.cat(outs)
-
-
 def _reference_loss(model, batch, mtp_weight, bal):
     """Loss of one micro-batch from the model's logits: mean CE + mtp_weight * mean MTP CE + balance."""
     labels = batch["labels"]
@@ -118,7 +109,7 @@ def test_one_process_step_matches_autograd_reference(monkeypatch, mtp_weight, ma
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
 
-    monkeypatch.setattr(moe, "grouped_swiglu", _autograd_expert_loop)
+    monkeypatch.setattr(moe, "grouped_swiglu", autograd_expert_loop)
     ref = _reference_loss(model, batch, mtp_weight, bal)
     ref.backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
