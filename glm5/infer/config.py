@@ -41,7 +41,7 @@ class EngineConfig:
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
     max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts
-    enforce_eager: bool = False  # no CUDA graphs
+    enforce_eager: bool = False  # accepted for vLLM compatibility; no effect: the engine has no CUDA-graph path yet
 
     # multi-LoRA serving (glm5/infer/lora.py)
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT LoRA directory, loaded at start
