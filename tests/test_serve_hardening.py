@@ -77,6 +77,17 @@ def test_valid_surrogate_pairs_still_work(live):
     assert r.status_code == 200 and r.json()["tokens"] == TOK.encode("\U0001F600", add_special_tokens=True)
 
 
+def test_beam_search_with_best_of_above_n_returns_the_n_beams(live):
+    """Beam search returns n finished beams per prompt, fewer than best_of samples: the best_of ranking
+    must pick among what was returned (it indexed a full best_of list and answered 500; found by the fuzzer)."""
+    body = {"prompt": ["ab", "cd"], "max_tokens": 3, "use_beam_search": True, "best_of": 4, "n": 2}
+    r = post(live, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3] and all(c["finish_reason"] for c in choices)
+    assert_alive(live)
+
+
 def test_broken_tool_schema_is_400_naming_tool_and_path(live):
     tools = [{"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
              {"type": "function", "function": {"name": "get_weather",

@@ -198,11 +198,13 @@ class _Job:
     def _best(self, choices: list[dict]) -> list[dict]:
         """best_of: per prompt, the n samples with the highest cumulative logprob (ties: lower index),
         renumbered 0..n-1 per prompt as OpenAI does; usage still counts every sample."""
+        by_choice = {c["index"]: c for c in choices}  # a sample the engine never reported is simply absent
         out = []
         for p, o in sorted(self.final.items()):
-            rank = sorted(o.outputs, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[: self.req.n]
+            seen = [c for c in o.outputs if p * self.num_samples + c.index in by_choice]
+            rank = sorted(seen, key=lambda c: (-(c.cumulative_logprob or 0.0), c.index))[: self.req.n]
             for j, c in enumerate(rank):
-                out.append({**choices[p * self.num_samples + c.index], "index": p * self.req.n + j})
+                out.append({**by_choice[p * self.num_samples + c.index], "index": p * self.req.n + j})
         return out
 
     async def stream(self, first, merged) -> AsyncIterator[str]:
