@@ -38,6 +38,10 @@ class EngineConfig:
     # weight storage order (glm5/infer/layout.py): "transposed" = [in, out] row-major, faster CPU GEMM for
     # decode-sized batches; auto = transposed on CPU, native elsewhere
     weight_layout: Literal["auto", "native", "transposed"] = "auto"
+    # compiled CPU kernels (glm5/native, glm5/infer/kernels.py): "auto" = on CPU when a C compiler builds
+    # them (else PyTorch, one warning); "native" = required (an error if they cannot be built); "torch" = off
+    kernels: Literal["auto", "native", "torch"] = "auto"
+    huge_pages: bool = True  # CPU: weights on transparent huge pages where Linux offers them (glm5/infer/hugepages.py)
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
     max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts

@@ -26,11 +26,15 @@ from glm5.model.kv_cache import bytes_per_token
 from glm5.model.peft_adapter import adapter_kind
 from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import ExpertShadow
+from glm5.native import NativeKernels
+from glm5.native import load as load_native
 
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
 from .faults import FaultTracker, is_fatal, run_each
+from .hugepages import rehome
+from .kernels import use_native_kernels
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .layout import transpose_weights
 from .lora import LoRAManager
@@ -99,6 +103,7 @@ class LLMEngine:
         if model is None:
             model = load_model(self.config)
             tokenizer = tokenizer or load_tokenizer_for(self.config.model, model.config.vocab_size)
+        self.kernels: NativeKernels | None = self._native_kernels()
         self.model = self._convert(model.eval())
         self.model_config: ModelConfig = self.model.config
         self.generation_config: GenerationConfig = self.model.generation_config
@@ -110,8 +115,10 @@ class LLMEngine:
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device,
-                                  cache_dtype=next(self.model.model.embed_tokens.parameters()).dtype)
+        cache_dtype = next(self.model.model.embed_tokens.parameters()).dtype
+        self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device, cache_dtype=cache_dtype,
+                                  latent_kernel=self.kernels.latent_decode if self.kernels and cache_dtype == torch.float32
+                                  else None)
         # tokens routed to each expert of each MoE layer since start (device tensor, one add per layer/step)
         self._expert_tokens = torch.zeros(self.model_config.num_hidden_layers, self.model_config.n_routed_experts,
                                           dtype=torch.long, device=self.config.device)
@@ -135,7 +142,27 @@ class LLMEngine:
             quantize_model(model, None if k == "auto" else {"small": k, "large": k})
         if c.weight_layout == "transposed" or (c.weight_layout == "auto" and torch.device(c.device).type == "cpu"):
             transpose_weights(model)
+        if self.kernels is not None:
+            use_native_kernels(model, self.kernels)  # routed experts (the attention kernel rides on the metadata)
+        if c.huge_pages and torch.device(c.device).type == "cpu":
+            rehome(model)  # after the layout change: the tensors served are the ones moved
         return model
+
+    def _native_kernels(self) -> NativeKernels | None:
+        """`kernels`: the native CPU kernels (glm5/native) for the routed experts (module swap) and, with an
+        fp32 cache, the dense latent attention (handed to the model with each step's metadata)."""
+        c = self.config
+        if c.kernels == "torch":
+            return None
+        if torch.device(c.device).type != "cpu":
+            if c.kernels == "native":
+                raise ValueError(f"kernels='native' runs on CPU only, not on device {c.device!r}; use 'auto' or 'torch'")
+            return None
+        kernels = load_native()
+        if kernels is None and c.kernels == "native":
+            raise ValueError("kernels='native': the native CPU kernels could not be built here (see the warning "
+                             "above; set CC to a C compiler) - use kernels='auto' or 'torch'")
+        return kernels
 
     def _lora_manager(self) -> LoRAManager | None:
         c = self.config

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5.model.kv_cache import LatentKVCache, selection_possible
+from glm5.model.latent_attention import LatentKernel
 from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import AttnMetadata, ExpertShadow
 
@@ -48,8 +49,9 @@ class _Rows:
 class ModelRunner:
     def __init__(self, model: GLM5ForCausalLM, config: EngineConfig, num_blocks: int,
                  sampler: Sampler | None = None, device: str | torch.device = "cpu",
-                 cache_dtype: torch.dtype = torch.float32):
+                 cache_dtype: torch.dtype = torch.float32, latent_kernel: LatentKernel | None = None):
         self.model, self.config, self.device = model, config, torch.device(device)
+        self.latent_kernel = latent_kernel  # handed to the model with each step's metadata
         self.cfg = model.config
         self.block_size = config.block_size
         self.with_mtp = config.speculative_num_tokens > 0
@@ -70,7 +72,9 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
-        return build_metadata(chunks, self.block_size, self.device)
+        ids, meta = build_metadata(chunks, self.block_size, self.device)
+        meta.latent_kernel = self.latent_kernel
+        return ids, meta
 
     @torch.inference_mode()
     def run(self, out: ScheduleOutput) -> RunnerOutput:

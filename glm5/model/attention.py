@@ -24,7 +24,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .indexer import Indexer, dsa_topk, window_select
-from .latent_attention import dense_latent_attention, gathered_latent_attention
+from .latent_attention import LatentKernel, dense_latent_attention, gathered_latent_attention
 from .layers import RMSNorm, apply_rope
 from .masks import MaskSpec
 from .paged import AttnGroup, PagedContext
@@ -171,7 +171,7 @@ class MLAttention(nn.Module):
             qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
             o_lat = None  # [N, H, R]
             for g, sel in zip(meta.groups, sels):
-                o_lat = _place(o_lat, g, self._attend_latent(g, _rows(g, qq), latent, sel), N)
+                o_lat = _place(o_lat, g, self._attend_latent(g, _rows(g, qq), latent, sel, meta.latent_kernel), N)
             return self.latent_to_output(o_lat)[None], sels
         o_heads = None  # [N, H, V]: expanded groups, and absorbed ones (W_uk / W_uv on their own rows only)
         for g, sel, exp in zip(meta.groups, sels, expand):
@@ -179,7 +179,7 @@ class MLAttention(nn.Module):
                 og = self._attend_expanded(g, q_nope, q_rope, latent, sel)  # [B, T, H, V]
             else:
                 qg = torch.cat([self.absorb_q(_rows(g, q_nope)), _rows(g, q_rope)], dim=-1)  # [B, T, H, R+P]
-                og = self.latent_to_heads(self._attend_latent(g, qg, latent, sel))
+                og = self.latent_to_heads(self._attend_latent(g, qg, latent, sel, meta.latent_kernel))
             o_heads = _place(o_heads, g, og, N)
         return self.o_proj(o_heads.flatten(-2))[None], sels
 
@@ -221,11 +221,13 @@ class MLAttention(nn.Module):
         mask = MaskSpec(causal=False, attention_mask=g.allowed, q_positions=g.q_pos)
         return self.select(qi[g.q_index], wi[g.q_index], ki, mask, None)  # [B, T, I, D], [B, T, I]
 
-    def _attend_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor, sel) -> torch.Tensor:
+    def _attend_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor, sel,
+                       kernel: LatentKernel | None = None) -> torch.Tensor:
         """Absorbed MLA for one group's queries q [B, T, H, R+P] over cache rows `latent` [slots, R+P]
-        -> [B, T, H, R]."""
+        -> [B, T, H, R]; `kernel` replaces `dense_latent_attention` when given."""
         if sel is None:
-            return dense_latent_attention(q, latent, g.key_slots, g.key_bias, self.kv_rank, self.scale, g.key_lens)
+            return (kernel or dense_latent_attention)(q, latent, g.key_slots, g.key_bias, self.kv_rank, self.scale,
+                                                      g.key_lens)
         return gathered_latent_attention(q, latent, g.key_slots, sel[0], sel[1], self.kv_rank, self.scale)
 
     # --- training kernels -----------------------------------------------------------------------------

@@ -14,12 +14,22 @@ Dims: B sequences, T queries, S keys, H heads, W = R+P latent row width, R kv_lo
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 # Scores / gathered rows are built a block of queries at a time so that a block stays under this size.
 SCORE_CHUNK_BYTES = 64 * 2**20
 # Dense decode: key rows gathered per block of sequences (see dense_latent_attention).
 KEY_BLOCK_BYTES = 2**20
+
+
+class LatentKernel(Protocol):
+    """A replacement for `dense_latent_attention` with its contract (e.g. the native CPU kernel,
+    glm5/native); the engine hands one to the model in `AttnMetadata.latent_kernel`."""
+
+    def __call__(self, qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,
+                 kv_rank: int, scale: float, key_lens: list[int] | None = None) -> torch.Tensor: ...
 
 
 def dense_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,

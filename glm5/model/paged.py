@@ -18,6 +18,9 @@ Extension points, so later features extend this dataclass instead of forking the
     the same flat order as the hidden states every projection sees ([1, N, H]); swapped LoRA linear
     modules gather their per-row adapters from it (the layers already receive the paged context).
 
+Attention backend: `latent_kernel`, when set, replaces `dense_latent_attention` for absorbed groups
+without a top-k selection (the engine sets the native CPU kernel, glm5/native, for fp32 caches).
+
 Expert hot swap (engine): `pinned_rows` marks tokens of requests started before the latest swap; the
 MoE layers run those tokens' assignments to swapped experts on `expert_shadow`'s weights.
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import LatentKVCache
+from .latent_attention import LatentKernel
 
 
 @dataclass
@@ -81,6 +85,7 @@ class AttnMetadata:
     adapter_ids: torch.Tensor | None = None  # [N] LoRA adapter slot per token, -1 = base (issue 9)
     pinned_rows: torch.Tensor | None = None  # [N] bool: token of a request that runs on expert_shadow's version
     expert_shadow: ExpertShadow | None = None  # the older weights of swapped experts, for pinned rows
+    latent_kernel: LatentKernel | None = None  # runs the dense absorbed attention instead of the PyTorch one
 
     @property
     def num_tokens(self) -> int:

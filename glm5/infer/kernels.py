@@ -1,0 +1,53 @@
+"""Native CPU kernels in the served model (`EngineConfig.kernels`), by module swap: the routed experts of
+each MoE layer become `NativeExperts` (same parameters, same state_dict keys, in-place writes such as
+expert hot swap still land in them) whose inference forward calls the compiled kernel of glm5/native.
+Every other case (autograd, non-fp32, the native [out, in] layout) runs the inherited PyTorch forward, so
+the swap never changes what the model computes, only how fast. Measured on the bench's 64-expert
+checkpoint (7 MoE layers, 1 thread, `grouped_experts` time / kernel time): 2.0x for one token, 1.3x for 64
+decode rows, 1.3-1.6x for 256-2,048 prefill tokens (BLAS GEMMs plus the gather/scale/scatter around them vs
+one pass per expert).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glm5.model.moe import Experts
+from glm5.native import NativeKernels
+
+from .layout import is_transposed
+
+
+class NativeExperts(Experts):
+    """`Experts` whose no-grad fp32 CPU forward runs `NativeKernels.moe` over the [in, out]-stored weights."""
+
+    kernels: NativeKernels
+
+    @classmethod
+    def swap(cls, mod: Experts, kernels: NativeKernels) -> NativeExperts:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.n_experts, new.inter, new.kernels = mod.n_experts, mod.inter, kernels
+        new.gate_up_proj, new.down_proj = mod.gate_up_proj, mod.down_proj  # the same Parameters
+        return new
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        gu, dn = self.gate_up_proj, self.down_proj
+        if (torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
+                or gu.dtype != torch.float32 or not (is_transposed(gu) and is_transposed(dn))):
+            return super().forward(x, idx, weights, keep)
+        w = weights if keep is None else weights * keep
+        return self.kernels.moe(x.contiguous(), idx, w, gu.transpose(-2, -1), dn.transpose(-2, -1))
+
+
+def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
+    """Swap every plain `Experts` module (not LoRA-parametrised) for `NativeExperts`; returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is Experts and not nn.utils.parametrize.is_parametrized(child):
+                setattr(parent, name, NativeExperts.swap(child, kernels))
+                n += 1
+    return n

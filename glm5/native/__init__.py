@@ -1,0 +1,199 @@
+"""Native CPU kernels for serving: C source shipped in the package (`kernels.c`), compiled on first use
+with the system C compiler and loaded through ctypes; every call site falls back to PyTorch when no
+compiler is available (`load()` returns None after one warning).
+
+Why not a C++ torch extension: a C file compiles in well under a second without torch's headers, needs no
+Python.h and no ABI match with the torch build, and the kernels only need pointers, sizes and OpenMP
+(libgomp, the runtime torch itself loads, so both share one thread pool).
+
+The shared library is cached under `$GLM5_NATIVE_CACHE` (default `$XDG_CACHE_HOME/glm5/native`, i.e.
+`~/.cache/glm5/native`) by a hash of the source, the compiler, its flags and this CPU's feature flags;
+a different machine or compiler builds its own. The compiler is `$CC` or `cc`.
+
+Kernels (each tested against its PyTorch reference in tests/test_native.py):
+  * `NativeKernels.moe`: one routed-expert MoE layer (glm5.model.moe.grouped_experts),
+  * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = "kernels.c"
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])  # first that builds wins
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+
+class NativeError(RuntimeError):
+    """A kernel refused its inputs (the message says which) or ran out of memory."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("GLM5_NATIVE_CACHE"):
+        return Path(os.environ["GLM5_NATIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "glm5" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "cc")
+    return shutil.which(cc)
+
+
+def build(source: bytes, out_dir: Path | None = None) -> Path:
+    """Compile `source` into a shared library (cached) -> its path. Raises NativeError with the compiler's
+    message when no flag set builds it."""
+    cc = _compiler()
+    if cc is None:
+        raise NativeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH; set CC)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeError(f"{cc} --version failed: {e}") from e
+    out_dir = out_dir or cache_dir()
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        out_dir = Path(tempfile.mkdtemp(prefix="glm5-native-"))
+    errors = []
+    for flags in FLAG_SETS:
+        key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
+                                         _cpu_flags().encode()])).hexdigest()[:16]
+        lib = out_dir / f"glm5_kernels_{key}.so"
+        if lib.exists():
+            return lib
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            src = Path(tmp) / SOURCE
+            src.write_bytes(source)
+            so = Path(tmp) / "k.so"
+            try:
+                r = subprocess.run([cc, *flags, "-shared", "-fPIC", str(src), "-o", str(so), "-lm"],
+                                   capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(f"{' '.join(flags)}: {e}")
+                continue
+            if r.returncode == 0:
+                os.replace(so, lib)  # atomic: concurrent builders each write their own temporary file
+                return lib
+            errors.append(f"{' '.join(flags)}: {r.stderr.strip()[-500:]}")
+    raise NativeError(f"compiling {SOURCE} with {cc} failed: " + " | ".join(errors))
+
+
+class NativeKernels:
+    """Typed wrappers around the compiled kernels. Inputs are checked (dtype, device, layout) and a
+    refusal raises ValueError; the kernels never see a tensor they would misread."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.glm5_moe.argtypes = [_P, _L, _I, _P, _P, _I, _I, _I, _P, _L, _P, _L, _P, _I]
+        self.lib.glm5_moe.restype = _I
+        self.lib.glm5_latent_decode.argtypes = [_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, ctypes.c_float,
+                                                _P, _I]
+        self.lib.glm5_latent_decode.restype = _I
+
+    def moe(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """Routed experts for x [N, H] fp32, idx [N, A] expert ids, weights [N, A] (0 = dropped): gate_up
+        [E, H, 2I] (gate columns first) and down [E, I, H], each expert's matrix row-major ([in, out], i.e.
+        the transposed storage of glm5/infer/layout.py) -> [N, H]. Same sums as `grouped_experts`."""
+        N, H = x.shape
+        E, _, I2 = gate_up.shape
+        inter = I2 // 2
+        _check(x, "x", (N, H))
+        _check(gate_up, "gate_up", (E, H, 2 * inter), inner=True)
+        _check(down, "down", (E, inter, H), inner=True)
+        idx = idx.to(torch.int64).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        A = idx.shape[1]
+        if idx.shape != (N, A) or weights.shape != (N, A):
+            raise ValueError(f"idx {list(idx.shape)} and weights {list(weights.shape)} must both be [{N}, A]")
+        out = torch.empty_like(x)
+        rc = self.lib.glm5_moe(x.data_ptr(), N, H, idx.data_ptr(), weights.data_ptr(), A, E, inter,
+                               gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(), down.stride(0),
+                               out.data_ptr(), threads or torch.get_num_threads())
+        _raise(rc, f"expert ids outside [0, {E})", f"more than 64 experts per token ({A})")
+        return out
+
+
+    def latent_decode(self, qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,
+                      kv_rank: int, scale: float, key_lens: list[int] | None = None,
+                      threads: int | None = None) -> torch.Tensor:
+        """`dense_latent_attention`'s contract: qq [B, T, H, W], latent [rows, W], key_slots [B, S] row of
+        each key, bias [B, T, S] additive mask (-inf: not allowed; those rows are not read), key_lens keys
+        of each sequence (None: S) -> [B, T, H, R]. One pass over each key row for the scores, one for the
+        output, per query row; a query row with no allowed key gets zeros."""
+        B, T, H, W = qq.shape
+        S = key_slots.shape[1]
+        qq, bias = qq.contiguous(), bias.contiguous()
+        _check(qq, "qq", (B, T, H, W))
+        _check(latent, "latent", (latent.shape[0], W))
+        _check(bias, "bias", (B, T, S))
+        if not 0 < kv_rank <= W:
+            raise ValueError(f"kv_rank {kv_rank} must be in (0, {W}]")
+        slots = key_slots.to(torch.int64).contiguous()
+        if slots.shape != (B, S):
+            raise ValueError(f"key_slots: shape {list(slots.shape)} != {[B, S]}")
+        lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)
+        if lens.shape != (B,):
+            raise ValueError(f"key_lens: {lens.numel()} lengths for {B} sequences")
+        out = qq.new_empty(B, T, H, kv_rank)
+        rc = self.lib.glm5_latent_decode(qq.data_ptr(), B, T, H, W, latent.data_ptr(), latent.shape[0],
+                                         slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(), kv_rank, scale,
+                                         out.data_ptr(), threads or torch.get_num_threads())
+        _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        return out
+
+
+def _check(t: torch.Tensor, name: str, shape: tuple, inner: bool = False) -> None:
+    """fp32 CPU tensor of `shape`; contiguous (inner=True: each [i] matrix contiguous, stride(0) free)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name}: native kernels take float32 CPU tensors, got {t.dtype} on {t.device}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {list(t.shape)} != {list(shape)}")
+    ok = t[0].is_contiguous() if inner and t.shape[0] else t.is_contiguous()
+    if not ok:
+        raise ValueError(f"{name}: must be {'row-major per matrix' if inner else 'contiguous'}")
+
+
+def _raise(rc: int, *why: str) -> None:
+    if rc == 1:
+        raise MemoryError("native kernel: out of memory")
+    if rc >= 2:
+        raise NativeError(f"native kernel refused its inputs: {why[rc - 2]}")
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The compiled kernels, built on first call; None (and one warning) when they cannot be built here."""
+    try:
+        source = resources.files(__package__).joinpath(SOURCE).read_bytes()
+        return NativeKernels(build(source))
+    except (NativeError, OSError) as e:
+        log.warning("native CPU kernels unavailable, using PyTorch kernels: %s", e)
+        return None

@@ -1,0 +1,418 @@
+/* glm5 native CPU kernels (fp32), compiled on first use by glm5/native/__init__.py and called through
+ * ctypes. Each kernel has a PyTorch reference it is tested against (tests/test_native.py):
+ *
+ *   glm5_moe           routed experts of one MoE layer  == glm5.model.moe.grouped_experts
+ *   glm5_latent_decode dense absorbed-MLA attention     == glm5.model.latent_attention.dense_latent_attention
+ *
+ * Why native: at decode sizes both are memory-bound loops over small products (4-row expert GEMMs, 6-head
+ * latent attention) where per-call BLAS overhead, gathers and temporaries cost more than the arithmetic.
+ * Here every weight / key row is read once, in memory order, with the partial results kept in L1.
+ *
+ * Threads: OpenMP, sharing the runtime PyTorch already loaded (libgomp.so.1), so the kernels run on the
+ * same pool as torch's own ops instead of competing with its spinning workers.
+ * Vectors: GCC vector extensions (8 floats); the compiler maps them to AVX2/AVX-512/NEON as -march allows.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+#define PREFETCH_ROWS 48 /* weight rows ahead of the one being read */
+#define TILE_ROWS 12     /* rows per expert from which the register-tiled GEMM beats streaming */
+#define K_CHUNK 64      /* weight rows per chunk when more than 4 input rows share an expert */
+
+/* Y[0:RR, :] += X[0:RR, k:k+4] @ W[k:k+4, :] for a compile-time RR: four weight rows read once per vector,
+ * each input row's four coefficients held in registers. */
+static inline __attribute__((always_inline)) void quad(const float *X, long ldx, int k, const float *W, long ldw,
+                                                       int N, float *Y, const int RR) {
+    const float *w0 = W + (long)k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+    const long ahead = PREFETCH_ROWS * ldw;
+    float b[4][4];
+    for (int r = 0; r < RR; r++)
+        for (int q = 0; q < 4; q++) b[r][q] = X[r * ldx + k + q];
+    int nv = N / 8 * 8, j = 0;
+    for (; j < nv; j += 8) {
+        if ((j & 15) == 0) {
+            __builtin_prefetch(w0 + j + ahead);
+            __builtin_prefetch(w1 + j + ahead);
+            __builtin_prefetch(w2 + j + ahead);
+            __builtin_prefetch(w3 + j + ahead);
+        }
+        v8 a0 = *(const v8 *)(w0 + j), a1 = *(const v8 *)(w1 + j), a2 = *(const v8 *)(w2 + j),
+           a3 = *(const v8 *)(w3 + j);
+        for (int r = 0; r < RR; r++) {
+            v8 acc = *(v8 *)(Y + r * (long)N + j);
+            acc += b[r][0] * a0;
+            acc += b[r][1] * a1;
+            acc += b[r][2] * a2;
+            acc += b[r][3] * a3;
+            *(v8 *)(Y + r * (long)N + j) = acc;
+        }
+    }
+    for (; j < N; j++)
+        for (int r = 0; r < RR; r++)
+            Y[r * (long)N + j] += b[r][0] * w0[j] + b[r][1] * w1[j] + b[r][2] * w2[j] + b[r][3] * w3[j];
+}
+
+/* Y[0:RR, j:j+16] = X[0:RR, :] @ W[:, j:j+16] for a compile-time RR <= 6: 2 * RR accumulators in registers
+ * over the whole K loop (the register-blocked kernel for many rows; the [K, 16] weight panel stays in L1
+ * across the row blocks that reuse it). */
+static inline __attribute__((always_inline)) void tile16(const float *X, long ldx, int K, const float *W, long ldw,
+                                                         float *Y, long ldy, const int RR) {
+    v8 a0[6], a1[6];
+    for (int r = 0; r < RR; r++) a0[r] = a1[r] = (v8){0};
+    for (int k = 0; k < K; k++, W += ldw) {
+        v8 w0 = *(const v8 *)W, w1 = *(const v8 *)(W + 8);
+        for (int r = 0; r < RR; r++) {
+            float b = X[r * ldx + k];
+            a0[r] += b * w0;
+            a1[r] += b * w1;
+        }
+    }
+    for (int r = 0; r < RR; r++) {
+        *(v8 *)(Y + r * ldy) = a0[r];
+        *(v8 *)(Y + r * ldy + 8) = a1[r];
+    }
+}
+
+/* Y[R, N] = X[R, K] @ W[K, N] for many rows (R >= TILE_ROWS): 6 x 16 register tiles, column panel by
+ * column panel. */
+static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
+    int nt = N / 16 * 16;
+    for (int j = 0; j < nt; j += 16)
+        for (int r0 = 0; r0 < R; r0 += 6) {
+            const float *x = X + r0 * ldx;
+            float *y = Y + r0 * (long)N + j;
+            switch (R - r0 < 6 ? R - r0 : 6) {
+                case 1: tile16(x, ldx, K, W + j, ldw, y, N, 1); break;
+                case 2: tile16(x, ldx, K, W + j, ldw, y, N, 2); break;
+                case 3: tile16(x, ldx, K, W + j, ldw, y, N, 3); break;
+                case 4: tile16(x, ldx, K, W + j, ldw, y, N, 4); break;
+                case 5: tile16(x, ldx, K, W + j, ldw, y, N, 5); break;
+                default: tile16(x, ldx, K, W + j, ldw, y, N, 6); break;
+            }
+        }
+    for (int r = 0; r < R; r++)
+        for (int j = nt; j < N; j++) {
+            float acc = 0;
+            for (int k = 0; k < K; k++) acc += X[r * ldx + k] * W[(long)k * ldw + j];
+            Y[r * (long)N + j] = acc;
+        }
+}
+
+/* Y[R, N] = X[R, K] @ W[K, N] (X rows ldx apart, W rows ldw apart, Y contiguous). Few rows (decode): the
+ * weight is streamed in row order (each byte read once, in memory order: the bound is bandwidth); more than
+ * 4 input rows are taken 4 at a time over K_CHUNK weight rows, so each chunk is read from memory once and
+ * from cache by the other row blocks. Many rows: register tiles (the bound is arithmetic). */
+static void small_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
+    if (R >= TILE_ROWS) {
+        tiled_gemm(X, ldx, R, K, W, ldw, N, Y);
+        return;
+    }
+    memset(Y, 0, sizeof(float) * (long)R * N);
+    for (int k0 = 0; k0 < K; k0 += K_CHUNK) {
+        int k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            int rb = R - r0 < 4 ? R - r0 : 4;
+            const float *x = X + r0 * ldx;
+            float *y = Y + r0 * (long)N;
+            int k = k0;
+            for (; k + 4 <= k1; k += 4) {
+                switch (rb) {
+                    case 1: quad(x, ldx, k, W, ldw, N, y, 1); break;
+                    case 2: quad(x, ldx, k, W, ldw, N, y, 2); break;
+                    case 3: quad(x, ldx, k, W, ldw, N, y, 3); break;
+                    default: quad(x, ldx, k, W, ldw, N, y, 4); break;
+                }
+            }
+            for (; k < k1; k++)
+                for (int r = 0; r < rb; r++) {
+                    float c = x[r * ldx + k];
+                    const float *w = W + (long)k * ldw;
+                    for (int j = 0; j < N; j++) y[r * (long)N + j] += c * w[j];
+                }
+        }
+    }
+}
+
+static inline int n_threads(int want) {
+#ifdef _OPENMP
+    return want > 1 ? want : 1;
+#else
+    (void)want;
+    return 1;
+#endif
+}
+
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Routed experts                                                                                        */
+
+typedef struct {
+    const float *x, *w, *gu, *dn;
+    const int64_t *token, *offs;
+    float *ys;
+    long gu_es, dn_es;
+    int H, I, A;
+} moe_args;
+
+/* Experts e0..e1-1: gather their rows, gate_up GEMM, SwiGLU, down GEMM, scale by the routing weight, into
+ * ys rows (sorted order). Returns 0, or 1 when a buffer could not be allocated. */
+static int moe_experts(const moe_args *a, int e0, int e1) {
+    const int H = a->H, I = a->I;
+    long maxr = 0;
+    for (int e = e0; e < e1; e++)
+        if (a->offs[e + 1] - a->offs[e] > maxr) maxr = a->offs[e + 1] - a->offs[e];
+    if (!maxr) return 0;
+    float *xb = malloc(sizeof(float) * maxr * (H + 3L * I));
+    if (!xb) return 1;
+    float *hb = xb + maxr * H, *ab = hb + maxr * 2 * I;
+    for (int e = e0; e < e1; e++) {
+        long lo = a->offs[e], R = a->offs[e + 1] - lo;
+        if (!R) continue;
+        for (long r = 0; r < R; r++) memcpy(xb + r * H, a->x + (a->token[lo + r] / a->A) * H, sizeof(float) * H);
+        small_gemm(xb, H, (int)R, H, a->gu + e * a->gu_es, 2L * I, 2 * I, hb);
+        for (long r = 0; r < R; r++) {
+            const float *g = hb + r * 2 * I, *u = g + I;
+            float *act = ab + r * I;
+            for (int i = 0; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+        float *y = a->ys + lo * H;
+        small_gemm(ab, I, (int)R, I, a->dn + e * a->dn_es, H, H, y);
+        for (long r = 0; r < R; r++) {
+            float s = a->w[a->token[lo + r]];
+            for (int h = 0; h < H; h++) y[r * H + h] *= s;
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+/* out[N, H] = sum over each token's A routed experts of w * SwiGLU_e(x), for x [N, H], idx / w [N, A]
+ * (int64 expert ids, fp32 weights: 0 for a dropped assignment), expert e's gate_up weight [H, 2I] (gate
+ * columns first) at gu + e * gu_es and down weight [I, H] at dn + e * dn_es, both row-major ([in, out]).
+ * Assignments are grouped by expert (stable, token order kept) and each token's terms are added in expert
+ * order, as `grouped_experts` does. Returns 0; 2 for an expert id out of [0, E); 3 for A > 64; 1 when out
+ * of memory. */
+int glm5_moe(const float *x, long N, int H, const int64_t *idx, const float *w, int A, int E, int I,
+             const float *gu, long gu_es, const float *dn, long dn_es, float *out, int threads) {
+    long M = N * A;
+    if (A > 64) return 3;
+    for (long m = 0; m < M; m++)
+        if (idx[m] < 0 || idx[m] >= E) return 2;
+    int64_t *offs = calloc(E + 1, sizeof(int64_t));
+    int64_t *sorted = malloc(sizeof(int64_t) * (M ? M : 1)); /* flat assignment index n*A+j, by expert */
+    int64_t *pos = malloc(sizeof(int64_t) * (M ? M : 1));    /* flat assignment -> its sorted row */
+    float *ys = malloc(sizeof(float) * (M ? M : 1) * H);
+    int bad = !offs || !sorted || !pos || !ys;
+    if (!bad) {
+        for (long m = 0; m < M; m++) offs[idx[m] + 1]++;
+        for (int e = 0; e < E; e++) offs[e + 1] += offs[e];
+        int64_t *fill = malloc(sizeof(int64_t) * (E ? E : 1));
+        bad = !fill;
+        if (fill) {
+            memcpy(fill, offs, sizeof(int64_t) * E);
+            for (long m = 0; m < M; m++) {
+                int64_t p = fill[idx[m]]++;
+                sorted[p] = m;
+                pos[m] = p;
+            }
+            free(fill);
+        }
+    }
+    if (!bad) {
+        moe_args a = {x, w, gu, dn, sorted, offs, ys, gu_es, dn_es, H, I, A};
+        /* split the experts into contiguous ranges of about equal cost: reading an expert's weights (~4
+         * rows' worth of work at decode sizes) plus one unit per row */
+        int T = n_threads(threads);
+        double total = 0;
+        for (int e = 0; e < E; e++)
+            if (offs[e + 1] > offs[e]) total += 4.0 + (double)(offs[e + 1] - offs[e]);
+        if (total < 64) T = 1; /* a few experts: not worth waking a second thread */
+        int bounds[65];
+        if (T > 64) T = 64;
+        bounds[0] = 0;
+        double acc = 0;
+        int e = 0;
+        for (int t = 1; t < T; t++) {
+            while (e < E && acc < total * t / T) {
+                if (offs[e + 1] > offs[e]) acc += 4.0 + (double)(offs[e + 1] - offs[e]);
+                e++;
+            }
+            bounds[t] = e;
+        }
+        bounds[T] = E;
+        int fail = 0;
+        if (T == 1) {
+            fail = moe_experts(&a, 0, E);
+        } else {
+#pragma omp parallel num_threads(T) reduction(| : fail)
+            {
+                int t = thread_id();
+                fail |= moe_experts(&a, bounds[t], bounds[t + 1]);
+            }
+        }
+        bad = fail;
+        if (!bad) { /* each token: its terms in sorted (expert) order, added to zero one by one */
+#pragma omp parallel for num_threads(T) schedule(static) if (T > 1)
+            for (long n = 0; n < N; n++) {
+                int64_t p[64];
+                for (int j = 0; j < A; j++) { /* insertion sort of the A <= 64 positions */
+                    int64_t v = pos[n * A + j];
+                    int i = j;
+                    while (i > 0 && p[i - 1] > v) { p[i] = p[i - 1]; i--; }
+                    p[i] = v;
+                }
+                float *o = out + n * H;
+                memset(o, 0, sizeof(float) * H);
+                for (int j = 0; j < A; j++) {
+                    const float *y = ys + p[j] * H;
+                    for (int h = 0; h < H; h++) o[h] += y[h];
+                }
+            }
+        }
+    }
+    free(offs);
+    free(sorted);
+    free(pos);
+    free(ys);
+    return bad ? 1 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Dense absorbed-MLA attention over paged latent rows                                                   */
+
+/* Scores of two key rows for a compile-time number of heads HB <= 6 (2 * HB accumulators in registers):
+ * d0[h * ld] = q[h] . r0, d1[h * ld] = q[h] . r1 (d1 unused when r1 is NULL). */
+static inline __attribute__((always_inline)) void head_dots2(const float *q, int W, const float *r0, const float *r1,
+                                                             float *d0, float *d1, long ld, const int HB) {
+    v8 a0[6], a1[6];
+    for (int h = 0; h < HB; h++) a0[h] = a1[h] = (v8){0};
+    int wv = W / 8 * 8, j = 0;
+    if (r1) {
+        for (; j < wv; j += 8) {
+            v8 x0 = *(const v8 *)(r0 + j), x1 = *(const v8 *)(r1 + j);
+            for (int h = 0; h < HB; h++) {
+                v8 qv = *(const v8 *)(q + (long)h * W + j);
+                a0[h] += qv * x0;
+                a1[h] += qv * x1;
+            }
+        }
+    } else {
+        for (; j < wv; j += 8) {
+            v8 x0 = *(const v8 *)(r0 + j);
+            for (int h = 0; h < HB; h++) a0[h] += *(const v8 *)(q + (long)h * W + j) * x0;
+        }
+    }
+    for (int h = 0; h < HB; h++) {
+        float s0 = 0, s1 = 0;
+        for (int l = 0; l < 8; l++) { s0 += a0[h][l]; s1 += a1[h][l]; }
+        for (int jj = j; jj < W; jj++) {
+            s0 += q[(long)h * W + jj] * r0[jj];
+            if (r1) s1 += q[(long)h * W + jj] * r1[jj];
+        }
+        d0[h * ld] = s0;
+        if (r1) d1[h * ld] = s1;
+    }
+}
+
+/* One query row (all H heads) over its sequence's first n keys. qs [H, W] scaled queries; sc [H, ld] and
+ * keys [ld] scratch; o [H, R] output. Only allowed keys (bias > -inf) are read: their indices are listed
+ * first, then scored two rows at a time, and the output accumulated four rows at a time (each pass reads a
+ * row once for all heads). */
+static void latent_row(const float *qs, int H, int W, const float *lat, const int64_t *slots, long n,
+                       const float *bias, int R, float *sc, int64_t *keys, long ld, float *o) {
+    long m = 0;
+    for (long s = 0; s < n; s++)
+        if (bias[s] != -INFINITY) keys[m++] = s;
+    memset(o, 0, sizeof(float) * H * R);
+    if (!m) return; /* a row with no allowed key: zeros */
+    for (long i = 0; i < m; i += 2) {
+        const float *r0 = lat + slots[keys[i]] * W, *r1 = i + 1 < m ? lat + slots[keys[i + 1]] * W : NULL;
+        for (int h0 = 0; h0 < H; h0 += 6) {
+            const float *q = qs + (long)h0 * W;
+            float *d0 = sc + h0 * ld + i, *d1 = d0 + 1;
+            switch (H - h0 < 6 ? H - h0 : 6) {
+                case 1: head_dots2(q, W, r0, r1, d0, d1, ld, 1); break;
+                case 2: head_dots2(q, W, r0, r1, d0, d1, ld, 2); break;
+                case 3: head_dots2(q, W, r0, r1, d0, d1, ld, 3); break;
+                case 4: head_dots2(q, W, r0, r1, d0, d1, ld, 4); break;
+                case 5: head_dots2(q, W, r0, r1, d0, d1, ld, 5); break;
+                default: head_dots2(q, W, r0, r1, d0, d1, ld, 6); break;
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) { /* softmax over the allowed keys, in place */
+        float *p = sc + h * ld, mx = -INFINITY, z = 0;
+        for (long i = 0; i < m; i++) {
+            p[i] += bias[keys[i]];
+            mx = p[i] > mx ? p[i] : mx;
+        }
+        for (long i = 0; i < m; i++) z += (p[i] = expf(p[i] - mx));
+        for (long i = 0; i < m; i++) p[i] /= z;
+    }
+    int rv = R / 8 * 8;
+    for (long i = 0; i < m; i += 4) {
+        int kb = m - i < 4 ? (int)(m - i) : 4;
+        const float *r[4];
+        for (int k = 0; k < 4; k++) r[k] = lat + slots[keys[i + (k < kb ? k : 0)]] * W;
+        for (int h = 0; h < H; h++) {
+            const float *p = sc + h * ld + i;
+            float p0 = p[0], p1 = kb > 1 ? p[1] : 0, p2 = kb > 2 ? p[2] : 0, p3 = kb > 3 ? p[3] : 0;
+            float *oh = o + (long)h * R;
+            int j = 0;
+            for (; j < rv; j += 8)
+                *(v8 *)(oh + j) += p0 * *(const v8 *)(r[0] + j) + p1 * *(const v8 *)(r[1] + j) +
+                                   p2 * *(const v8 *)(r[2] + j) + p3 * *(const v8 *)(r[3] + j);
+            for (; j < R; j++) oh[j] += p0 * r[0][j] + p1 * r[1][j] + p2 * r[2][j] + p3 * r[3][j];
+        }
+    }
+}
+
+/* out [B, T, H, R] = softmax(q . k * scale + bias) . k[:R] per head, for queries q [B, T, H, W] over the
+ * keys of each sequence b: latent rows lat[slots[b, s]] (lat [rows, W]) for s < lens[b] <= S, with the
+ * additive mask bias [B, T, S] (-inf = not allowed; such keys are not read). All contiguous fp32 / int64.
+ * Returns 0; 2 for a slot outside [0, rows) or a length outside [0, S]; 1 when out of memory. */
+int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float *lat, long rows,
+                       const int64_t *slots, long S, const float *bias, const int64_t *lens, int R, float scale,
+                       float *out, int threads) {
+    for (long b = 0; b < B; b++) {
+        if (lens[b] < 0 || lens[b] > S) return 2;
+        for (long s = 0; s < lens[b]; s++)
+            if (slots[b * S + s] < 0 || slots[b * S + s] >= rows) return 2;
+    }
+    long items = B * T;
+    int nt = n_threads(threads);
+    if (nt > items) nt = (int)(items ? items : 1);
+    int fail = 0;
+#pragma omp parallel num_threads(nt) reduction(| : fail) if (nt > 1)
+    {
+        long ld = S ? S : 1;
+        float *qs = malloc(sizeof(float) * ((long)H * W + (long)H * ld) + sizeof(int64_t) * ld);
+        float *sc = qs ? qs + (long)H * W : NULL;
+        int64_t *keys = qs ? (int64_t *)(sc + (long)H * ld) : NULL;
+        fail |= !qs;
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < items; i++) { /* every thread takes part in the loop, even without buffers */
+            if (!qs) continue;
+            long b = i / T;
+            const float *qi = q + i * H * W;
+            for (long j = 0; j < (long)H * W; j++) qs[j] = qi[j] * scale;
+            latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, R, sc, keys, ld, out + i * H * R);
+        }
+        free(qs);
+    }
+    return fail;
+}

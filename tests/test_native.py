@@ -1,0 +1,174 @@
+"""Native CPU kernels (glm5/native) against their PyTorch references, and the engine's `kernels` option:
+the routed-expert kernel == the per-expert loop (odd widths that leave vector tails, dropped assignments,
+experts with no rows, 1 and 2 threads), bad inputs refused, and an engine on the native kernels serving
+the same greedy tokens as one on PyTorch's, hot swap included; without a compiler, `auto` falls back."""
+
+import pytest
+import torch
+
+from glm5.infer.config import EngineConfig
+from glm5.infer.engine import LLMEngine
+from glm5.infer.kernels import NativeExperts
+from glm5.model.latent_attention import dense_latent_attention
+from glm5.model.moe import expert_loop, swiglu
+from glm5.native import NativeError, build, load
+
+from ._tiny import tiny_model
+from .test_engine_fast_paths import _greedy
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load()
+    if k is None:
+        pytest.skip("no C compiler here: the native kernels cannot be built")
+    return k
+
+
+def _experts(E, H, inter, g):
+    """gate_up [E, 2I, H], down [E, H, I] stored [in, out] row-major (the engine's CPU layout)."""
+    gu = torch.randn(E, H, 2 * inter, generator=g).mul_(0.2).transpose(-2, -1)
+    dn = torch.randn(E, inter, H, generator=g).mul_(0.2).transpose(-2, -1)
+    return gu, dn
+
+
+@pytest.mark.parametrize("E,H,inter,A", [(8, 64, 32, 2), (5, 36, 20, 3), (64, 48, 24, 4), (3, 7, 5, 1)])
+def test_moe_kernel_equals_the_per_expert_loop(kernels, E, H, inter, A):
+    g = torch.Generator().manual_seed(E * H)
+    gu, dn = _experts(E, H, inter, g)
+    for N in (1, 2, 9, 70):
+        x = torch.randn(N, H, generator=g)
+        idx = torch.rand(N, E, generator=g).topk(A, dim=-1).indices
+        if N > 2:
+            idx[:, 0] = 0  # a crowded expert (more than 4 rows: the row-block path), others empty
+        w = torch.rand(N, A, generator=g)
+        keep = torch.rand(N, A, generator=g) > 0.25
+        for k in (None, keep):
+            ref = expert_loop(x, idx, w, k, E, lambda e, xs: swiglu(xs, gu[e], dn[e]))
+            for threads in (1, 2):
+                got = kernels.moe(x, idx, w if k is None else w * k, gu.transpose(-2, -1), dn.transpose(-2, -1), threads)
+                assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (N, threads, (got - ref).abs().max())
+
+
+@pytest.mark.parametrize("H,W,R", [(3, 12, 8), (6, 40, 32), (9, 21, 13)])
+def test_latent_kernel_equals_dense_latent_attention(kernels, H, W, R):
+    """Ragged lengths, causal rows (T = 2: a draft row sees one key less), a fully masked row (padding),
+    odd widths (vector tails), more than 8 heads (two head blocks), 1 and 2 threads."""
+    g = torch.Generator().manual_seed(H * W)
+    B, S = 5, 11
+    lens = [11, 9, 6, 6, 2]
+    latent = torch.randn(64, W, generator=g)
+    key_slots = torch.randperm(64, generator=g)[: B * S].view(B, S)
+    for T in (1, 2):
+        qq = torch.randn(B, T, H, W, generator=g)
+        allowed = torch.arange(S)[None, None, :] < torch.tensor(lens)[:, None, None] - torch.arange(T)[None, :, None]
+        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        ref = dense_latent_attention(qq, latent, key_slots, bias, R, 0.3, lens)
+        for threads in (1, 2):
+            got = kernels.latent_decode(qq, latent, key_slots, bias, R, 0.3, lens, threads)
+            assert torch.allclose(got, ref, atol=1e-5), (T, threads, (got - ref).abs().max())
+    bias[4, 1] = float("-inf")  # a query row that may see nothing: zeros (the PyTorch kernel gives NaN)
+    got = kernels.latent_decode(qq, latent, key_slots, bias, R, 0.3, lens)
+    assert torch.equal(got[4, 1], torch.zeros(H, R)) and torch.allclose(got[:4], ref[:4], atol=1e-5)
+    with pytest.raises(NativeError, match="key slot outside"):
+        kernels.latent_decode(qq, latent[:10], key_slots, bias, R, 0.3, lens)
+    with pytest.raises(ValueError, match="kv_rank"):
+        kernels.latent_decode(qq, latent, key_slots, bias, W + 1, 0.3, lens)
+
+
+def test_moe_kernel_refuses_bad_inputs(kernels):
+    g = torch.Generator().manual_seed(0)
+    gu, dn = _experts(4, 16, 8, g)
+    x, w = torch.randn(3, 16, generator=g), torch.rand(3, 2, generator=g)
+    gut, dnt = gu.transpose(-2, -1), dn.transpose(-2, -1)
+    with pytest.raises(NativeError, match=r"expert ids outside \[0, 4\)"):
+        kernels.moe(x, torch.tensor([[0, 1], [2, 4], [3, 0]]), w, gut, dnt)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.moe(x.double(), torch.zeros(3, 2, dtype=torch.long), w, gut, dnt)
+    with pytest.raises(ValueError, match="row-major"):
+        kernels.moe(x, torch.zeros(3, 2, dtype=torch.long), w, gu, dnt)  # [out, in] storage
+    with pytest.raises(ValueError, match=r"must both be \[3, A\]"):
+        kernels.moe(x, torch.zeros(3, 2, dtype=torch.long), w[:2], gut, dnt)
+
+
+def test_engine_on_native_kernels_serves_the_same_tokens(kernels):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (1, 7, 19, 30)]
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_model_len=48)
+    plain = LLMEngine(EngineConfig(**opts, kernels="torch"), model=tiny_model(seed=5))
+    fast = LLMEngine(EngineConfig(**opts, kernels="native"), model=tiny_model(seed=5))
+    experts = fast.model.model.layers[1].mlp.experts
+    assert fast.runner.latent_kernel is not None and plain.runner.latent_kernel is None
+    assert type(experts) is NativeExperts and type(plain.model.model.layers[1].mlp.experts) is not NativeExperts
+    assert fast.model.state_dict().keys() == plain.model.state_dict().keys()
+    assert _greedy(fast, prompts) == _greedy(plain, prompts)
+    for p in prompts:  # the same logits, prefill and decode steps included
+        ids = torch.tensor([p + [5, 6]])
+        with torch.no_grad():
+            ref = plain.model(ids).logits
+        assert torch.allclose(_logits(fast, p + [5, 6]), ref[0, -3:], atol=1e-4)
+    update = {(1, 3): {"gate_proj": torch.randn(32, 64, generator=gen), "up_proj": torch.randn(32, 64, generator=gen),
+                       "down_proj": torch.randn(64, 32, generator=gen)}}
+    plain.swap_experts(update)
+    fast.swap_experts(update)  # writes into the parameters the kernel reads
+    assert torch.equal(experts.gate_up_proj[3, 32:], update[(1, 3)]["up_proj"])
+    assert _greedy(fast, prompts) == _greedy(plain, prompts)
+
+
+def _logits(engine, ids: list[int]) -> torch.Tensor:
+    """Logits of the last 3 tokens of ids through the engine's paged forward: a prefill of all but the last
+    two tokens, then two one-token decode steps (the model's forward with metadata, as the runner calls it)."""
+    from glm5.infer.input_batch import SeqChunk
+    runner, out = engine.runner, []
+    blocks = list(range(engine.config.num_blocks))[: (len(ids) + 3) // 4 + 1]
+    for start, end in ((0, len(ids) - 2), (len(ids) - 2, len(ids) - 1), (len(ids) - 1, len(ids))):
+        tok, meta = runner.metadata([SeqChunk("s", start, ids[start:end], blocks)])
+        with torch.no_grad():
+            logits = engine.model(tok[None], attn_metadata=meta, kv_cache=runner.cache).logits
+        out.append(logits[0, -1])
+    return torch.stack(out)
+
+
+def test_without_a_compiler_auto_falls_back_and_native_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-compiler-glm5")
+    with pytest.raises(NativeError, match="no C compiler"):
+        build(b"int f(void) { return 0; }", tmp_path)
+    monkeypatch.setattr("glm5.infer.engine.load_native", lambda: None)
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=16)
+    engine = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=1))
+    assert type(engine.model.model.layers[1].mlp.experts) is not NativeExperts
+    with pytest.raises(ValueError, match="kernels='native'"):
+        LLMEngine(EngineConfig(**opts, kernels="native"), model=tiny_model(seed=1))
+
+
+def test_build_reports_compiler_errors(tmp_path):
+    if load() is None:
+        pytest.skip("no C compiler here")
+    with pytest.raises(NativeError, match="failed"):
+        build(b"this is not C", tmp_path)
+    lib = build(b"int glm5_probe(void) { return 7; }", tmp_path)
+    assert lib.exists() and build(b"int glm5_probe(void) { return 7; }", tmp_path) == lib  # cached
+
+
+def test_huge_page_rehome_keeps_values_layout_and_serving():
+    from glm5.infer.hugepages import HUGE, available, huge_like, rehome
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(700, 1500, generator=g).t()  # a transposed [in, out] weight, 4.2 MB
+    h = huge_like(w)
+    assert torch.equal(h, w) and h.stride() == w.stride() and h.data_ptr() != w.data_ptr()
+    if available():
+        assert h.data_ptr() % HUGE == 0
+    with pytest.raises(ValueError, match="not a dense tensor"):
+        huge_like(torch.randn(10, 10)[:, :5])
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_model_len=48, kernels="torch")
+    model = tiny_model(seed=2, vocab_size=8192)  # a 2 MiB embedding and head: moved
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moved = LLMEngine(EngineConfig(**opts), model=model)
+    plain = LLMEngine(EngineConfig(**opts, huge_pages=False), model=tiny_model(seed=2, vocab_size=8192))
+    after = moved.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    if available():
+        assert moved.model.lm_head.weight.data_ptr() % HUGE == 0
+        assert rehome(moved.model) > 0  # (again: every large tensor is movable)
+    prompts = [[3, 4, 5], list(range(10, 40))]
+    assert _greedy(moved, prompts) == _greedy(plain, prompts)
