@@ -70,29 +70,37 @@ def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 def huge_like(t: torch.Tensor) -> torch.Tensor:
     """t's values in huge-page memory with t's shape and strides (t must be dense: contiguous or a
     permutation of a contiguous tensor, as the engine's weight layouts are)."""
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    if span != t.numel():
+    if not _dense(t):
         raise ValueError(f"not a dense tensor: shape {list(t.shape)}, strides {list(t.stride())}")
     flat = huge_empty(t.numel(), t.dtype)
     return flat.as_strided(t.shape, t.stride()).copy_(t)
 
 
-def rehome(module: nn.Module) -> int:
-    """Move every CPU parameter and buffer of at least 2 MiB into huge-page memory (in place: `p.data` is
-    replaced, so optimisers are not involved - serving only). Returns how many tensors moved; 0 where
-    huge pages are unavailable."""
+def rehome(module: nn.Module, min_bytes: int = 1 << 16) -> int:
+    """Move the module's CPU parameters and buffers of at least `min_bytes` into huge-page memory: one
+    arena holding them all back to back (64-byte aligned), so that the many sub-2 MiB projection
+    weights share huge pages too. In place (`t.data` is replaced: shapes, strides - the transposed
+    layout -, names and values are kept; serving only, no optimiser involved). Returns how many tensors
+    moved; 0 where huge pages are unavailable."""
     if not available():
         return 0
-    n = 0
-    seen: set[int] = set()
+    tensors, seen, total = [], set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen or t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES:
-            continue
+        nbytes = t.numel() * t.element_size()
+        if id(t) in seen or t.device.type != "cpu" or nbytes < min_bytes or not _dense(t):
+            continue  # (a view into a larger tensor - tied or sliced weights - is left where it is)
         seen.add(id(t))
-        span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-        if span != t.numel():  # a view into a larger tensor (tied or sliced weights): leave it
-            continue
-        t.data = huge_like(t.data)
-        n += 1
-    return n
+        tensors.append((t, total))
+        total += (nbytes + 63) // 64 * 64
+    if not tensors:
+        return 0
+    arena = huge_empty(total, torch.uint8)
+    for t, offset in tensors:
+        nbytes = t.numel() * t.element_size()
+        t.data = arena[offset:offset + nbytes].view(t.dtype).as_strided(t.shape, t.stride()).copy_(t.data)
+    return len(tensors)
 
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill exactly its span of memory (contiguous or a permutation of it)."""
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) == t.numel()

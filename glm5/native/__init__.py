@@ -12,7 +12,8 @@ a different machine or compiler builds its own. The compiler is `$CC` or `cc`.
 
 Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.moe`: one routed-expert MoE layer (glm5.model.moe.grouped_experts),
-  * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention).
+  * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention),
+  * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm).
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class NativeKernels:
         self.lib.glm5_latent_decode.argtypes = [_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, ctypes.c_float,
                                                 _P, _I]
         self.lib.glm5_latent_decode.restype = _I
+        self.lib.glm5_rms_norm.argtypes = [_P, _P, _P, _L, _I, ctypes.c_float]
+        self.lib.glm5_rms_norm.restype = None
+        self._rms = self.lib.glm5_rms_norm
 
     def moe(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -167,6 +171,18 @@ class NativeKernels:
                                          slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(), kv_rank, scale,
                                          out.data_ptr(), threads or torch.get_num_threads())
         _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        return out
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of a contiguous fp32 CPU x with an fp32 weight [D] (`RMSNorm`'s fp32
+        forward). Lean on purpose: called ~30 times per decode token, so only what the kernel needs is
+        checked (the caller, `NativeRMSNorm`, has checked dtype, device and layout)."""
+        D = weight.shape[0]
+        if x.shape[-1] != D:
+            raise ValueError(f"x's last dim {x.shape[-1]} != weight's {D}")
+        out = torch.empty_like(x)
+        self._rms(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
         return out
 
 

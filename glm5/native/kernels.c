@@ -416,3 +416,24 @@ int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float
     }
     return fail;
 }
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* RMSNorm                                                                                               */
+
+/* y[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w for N rows of D (contiguous), as RMSNorm's fp32 forward. */
+void glm5_rms_norm(const float *x, const float *w, float *y, long N, int D, float eps) {
+    for (long r = 0; r < N; r++) {
+        const float *xr = x + r * D;
+        float *yr = y + r * D;
+        v8 acc = {0};
+        int dv = D / 8 * 8, j = 0;
+        for (; j < dv; j += 8) {
+            v8 v = *(const v8 *)(xr + j);
+            acc += v * v;
+        }
+        float ss = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+        for (; j < D; j++) ss += xr[j] * xr[j];
+        float rstd = 1.0f / sqrtf(ss / (float)D + eps);
+        for (j = 0; j < D; j++) yr[j] = w[j] * (xr[j] * rstd);
+    }
+}
