@@ -23,6 +23,9 @@
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 #define PREFETCH_ROWS 48 /* weight rows ahead of the one being read */
+#ifndef TILE_M
+#define TILE_M 8
+#endif
 #define TILE_ROWS 12     /* rows per expert from which the register-tiled GEMM beats streaming */
 #define K_CHUNK 64      /* weight rows per chunk when more than 4 input rows share an expert */
 
@@ -64,7 +67,7 @@ static inline __attribute__((always_inline)) void quad(const float *X, long ldx,
  * across the row blocks that reuse it). */
 static inline __attribute__((always_inline)) void tile16(const float *X, long ldx, int K, const float *W, long ldw,
                                                          float *Y, long ldy, const int RR) {
-    v8 a0[6], a1[6];
+    v8 a0[TILE_M], a1[TILE_M];
     for (int r = 0; r < RR; r++) a0[r] = a1[r] = (v8){0};
     for (int k = 0; k < K; k++, W += ldw) {
         v8 w0 = *(const v8 *)W, w1 = *(const v8 *)(W + 8);
@@ -85,16 +88,20 @@ static inline __attribute__((always_inline)) void tile16(const float *X, long ld
 static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
     int nt = N / 16 * 16;
     for (int j = 0; j < nt; j += 16)
-        for (int r0 = 0; r0 < R; r0 += 6) {
+        for (int r0 = 0; r0 < R; r0 += TILE_M) {
             const float *x = X + r0 * ldx;
             float *y = Y + r0 * (long)N + j;
-            switch (R - r0 < 6 ? R - r0 : 6) {
+            switch (R - r0 < TILE_M ? R - r0 : TILE_M) {
                 case 1: tile16(x, ldx, K, W + j, ldw, y, N, 1); break;
                 case 2: tile16(x, ldx, K, W + j, ldw, y, N, 2); break;
                 case 3: tile16(x, ldx, K, W + j, ldw, y, N, 3); break;
                 case 4: tile16(x, ldx, K, W + j, ldw, y, N, 4); break;
                 case 5: tile16(x, ldx, K, W + j, ldw, y, N, 5); break;
-                default: tile16(x, ldx, K, W + j, ldw, y, N, 6); break;
+                case 6: tile16(x, ldx, K, W + j, ldw, y, N, 6); break;
+#if TILE_M > 6
+                case 7: tile16(x, ldx, K, W + j, ldw, y, N, 7); break;
+#endif
+                default: tile16(x, ldx, K, W + j, ldw, y, N, TILE_M); break;
             }
         }
     for (int r = 0; r < R; r++)
