@@ -140,3 +140,25 @@ def test_no_indexer_keys_when_no_request_can_outgrow_the_top_k():
     window = LLMEngine(EngineConfig(**opts, max_model_len=32),
                        model=tiny_model(seed=2, index_topk=32, sparse_attention="window"))
     assert any(k is not None for k in window.runner.cache.index_k)  # the window pattern always selects
+
+
+def test_small_inference_attention_equals_sdpa():
+    """At inference on CPU, small score matrices take three batched products instead of SDPA (which pads v
+    to q's head dim): the same values, for plain causal, causal after a cached prefix and a GLM-style mask."""
+    from glm5.model.masks import MaskSpec
+    attn = tiny_model(seed=1).model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    B, T, S, H = 2, 5, 9, attn.n_heads
+    q_nope, q_rope = torch.randn(B, T, H, attn.nope, generator=g), torch.randn(B, T, H, attn.rope, generator=g)
+    c_kv, k_rope = torch.randn(B, S, attn.kv_rank, generator=g), torch.randn(B, S, attn.rope, generator=g)
+    part_a = torch.zeros(B, T, S, dtype=torch.bool)
+    part_a[:, :, :4] = True
+    part_a |= torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    for mask, t in ((MaskSpec(causal=True), S), (MaskSpec(causal=True, q_offset=S - T), T),
+                    (MaskSpec(causal=False, attention_mask=part_a), T)):
+        args = (q_nope[:, :t], q_rope[:, :t], c_kv, k_rope, mask) if t == T else \
+            (torch.randn(B, S, H, attn.nope, generator=g), torch.randn(B, S, H, attn.rope, generator=g), c_kv, k_rope, mask)
+        with torch.no_grad():
+            fast = attn._dense_heads(*args)
+        ref = attn._dense_heads(*args)  # grad enabled: the SDPA path
+        assert torch.allclose(fast, ref, atol=1e-5), mask
