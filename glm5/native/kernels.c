@@ -21,6 +21,26 @@
 #endif
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
+
+/* exp of 8 floats <= 0 (softmax after subtracting the max): Cephes' expf polynomial after the range
+ * reduction x = n ln2 + r, |r| <= ln2 / 2; about 1 ulp. Inputs below -87.3 give exp(-87.3) ~ 1e-38. */
+static inline v8 exp8(v8 x) {
+    const v8 lo = (v8){0} - 87.3f;
+    vi8 small = x < lo;
+    x = (v8)(((vi8)x & ~small) | ((vi8)lo & small));
+    v8 t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln2) in the low mantissa bits */
+    vi8 n = (vi8)t - 0x4B400000;
+    v8 nf = t - 12582912.0f;
+    v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    v8 y = p * r * r + r + 1.0f;
+    return (v8)((vi8)y + (n << 23));
+}
 
 #define PREFETCH_ROWS 48 /* weight rows ahead of the one being read */
 #ifndef TILE_M
@@ -335,6 +355,24 @@ static inline __attribute__((always_inline)) void head_dots2(const float *q, int
     }
 }
 
+/* o[h] += p[h * ld] * r0 + p[h * ld + 1] * r1 over R columns for HB <= 6 heads: each row vector loaded once
+ * for all heads, the 2 * HB weights in registers (r1's weight is 0 when `two` is false). */
+static inline __attribute__((always_inline)) void head_accum2(float *o, int R, const float *r0, const float *r1,
+                                                              const float *p, long ld, int two, const int HB) {
+    float p0[6], p1[6];
+    for (int h = 0; h < HB; h++) {
+        p0[h] = p[h * ld];
+        p1[h] = two ? p[h * ld + 1] : 0.0f;
+    }
+    int rv = R / 8 * 8, j = 0;
+    for (; j < rv; j += 8) {
+        v8 x0 = *(const v8 *)(r0 + j), x1 = *(const v8 *)(r1 + j);
+        for (int h = 0; h < HB; h++) *(v8 *)(o + (long)h * R + j) += p0[h] * x0 + p1[h] * x1;
+    }
+    for (; j < R; j++)
+        for (int h = 0; h < HB; h++) o[(long)h * R + j] += p0[h] * r0[j] + p1[h] * r1[j];
+}
+
 /* One query row (all H heads) over its sequence's first n keys. qs [H, W] scaled queries; sc [H, ld] and
  * keys [ld] scratch; o [H, R] output. Only allowed keys (bias > -inf) are read: their indices are listed
  * first, then scored two rows at a time, and the output accumulated four rows at a time (each pass reads a
@@ -367,23 +405,32 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
             p[i] += bias[keys[i]];
             mx = p[i] > mx ? p[i] : mx;
         }
-        for (long i = 0; i < m; i++) z += (p[i] = expf(p[i] - mx));
-        for (long i = 0; i < m; i++) p[i] /= z;
+        long i = 0;
+        v8 zv = {0};
+        for (; i + 8 <= m; i += 8) {
+            v8 e = exp8(*(v8 *)(p + i) - mx);
+            *(v8 *)(p + i) = e;
+            zv += e;
+        }
+        for (; i < m; i++) z += (p[i] = expf(p[i] - mx));
+        for (int l = 0; l < 8; l++) z += zv[l];
+        float inv = 1.0f / z;
+        for (i = 0; i < m; i++) p[i] *= inv;
     }
-    int rv = R / 8 * 8;
-    for (long i = 0; i < m; i += 4) {
-        int kb = m - i < 4 ? (int)(m - i) : 4;
-        const float *r[4];
-        for (int k = 0; k < 4; k++) r[k] = lat + slots[keys[i + (k < kb ? k : 0)]] * W;
-        for (int h = 0; h < H; h++) {
-            const float *p = sc + h * ld + i;
-            float p0 = p[0], p1 = kb > 1 ? p[1] : 0, p2 = kb > 2 ? p[2] : 0, p3 = kb > 3 ? p[3] : 0;
-            float *oh = o + (long)h * R;
-            int j = 0;
-            for (; j < rv; j += 8)
-                *(v8 *)(oh + j) += p0 * *(const v8 *)(r[0] + j) + p1 * *(const v8 *)(r[1] + j) +
-                                   p2 * *(const v8 *)(r[2] + j) + p3 * *(const v8 *)(r[3] + j);
-            for (; j < R; j++) oh[j] += p0 * r[0][j] + p1 * r[1][j] + p2 * r[2][j] + p3 * r[3][j];
+    for (long i = 0; i < m; i += 2) {
+        const float *r0 = lat + slots[keys[i]] * W, *r1 = i + 1 < m ? lat + slots[keys[i + 1]] * W : r0;
+        for (int h0 = 0; h0 < H; h0 += 6) {
+            const float *p = sc + h0 * ld + i;
+            float *oh = o + (long)h0 * R;
+            int two = i + 1 < m;
+            switch (H - h0 < 6 ? H - h0 : 6) {
+                case 1: head_accum2(oh, R, r0, r1, p, ld, two, 1); break;
+                case 2: head_accum2(oh, R, r0, r1, p, ld, two, 2); break;
+                case 3: head_accum2(oh, R, r0, r1, p, ld, two, 3); break;
+                case 4: head_accum2(oh, R, r0, r1, p, ld, two, 4); break;
+                case 5: head_accum2(oh, R, r0, r1, p, ld, two, 5); break;
+                default: head_accum2(oh, R, r0, r1, p, ld, two, 6); break;
+            }
         }
     }
 }
