@@ -174,3 +174,19 @@ def test_huge_page_rehome_keeps_values_layout_and_serving():
         assert rehome(moved.model) > 0  # (again: every large tensor is movable)
     prompts = [[3, 4, 5], list(range(10, 40))]
     assert _greedy(moved, prompts) == _greedy(plain, prompts)
+
+
+def test_rms_norm_kernel_equals_rmsnorm_on_contiguous_and_sliced_rows(kernels):
+    from glm5.model.layers import RMSNorm
+    from glm5.native import rows_stride
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(20, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+        wide = torch.randn(2, 3, 27, generator=g)
+        for x in (wide[..., :20], wide[..., 7:], wide[0, :, 3:23], torch.randn(20, generator=g), wide[:, :1, :20]):
+            got = kernels.rms_norm(x, norm.weight, norm.eps)
+            assert got.is_contiguous() and torch.allclose(got, norm(x.contiguous()), atol=1e-6)
+    assert rows_stride(wide.transpose(0, 1)[..., :20]) is None and rows_stride(wide.transpose(1, 2)) is None
+    with pytest.raises(ValueError, match="evenly spaced"):
+        kernels.rms_norm(wide.transpose(0, 1)[..., :20], norm.weight, norm.eps)

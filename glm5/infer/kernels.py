@@ -15,7 +15,7 @@ from torch import nn
 
 from glm5.model.layers import RMSNorm
 from glm5.model.moe import Experts
-from glm5.native import NativeKernels
+from glm5.native import NativeKernels, rows_stride
 
 from .layout import is_transposed
 
@@ -59,7 +59,7 @@ class NativeRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous()
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or rows_stride(x) is None
                 or type(w) is not nn.Parameter or w.dtype != torch.float32):
             return super().forward(x)
         return self.kernels.rms_norm(x, w, self.eps)

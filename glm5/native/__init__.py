@@ -117,7 +117,7 @@ class NativeKernels:
         self.lib.glm5_latent_decode.argtypes = [_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, ctypes.c_float,
                                                 _P, _I]
         self.lib.glm5_latent_decode.restype = _I
-        self.lib.glm5_rms_norm.argtypes = [_P, _P, _P, _L, _I, ctypes.c_float]
+        self.lib.glm5_rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, ctypes.c_float]
         self.lib.glm5_rms_norm.restype = None
         self._rms = self.lib.glm5_rms_norm
 
@@ -175,15 +175,33 @@ class NativeKernels:
 
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dim of a contiguous fp32 CPU x with an fp32 weight [D] (`RMSNorm`'s fp32
-        forward). Lean on purpose: called ~30 times per decode token, so only what the kernel needs is
-        checked (the caller, `NativeRMSNorm`, has checked dtype, device and layout)."""
+        """RMSNorm over the last dim of an fp32 CPU x whose rows are evenly spaced (contiguous, or a column
+        slice of a wider tensor) with an fp32 weight [D] (`RMSNorm`'s fp32 forward) -> a contiguous tensor.
+        Lean on purpose: called ~30 times per decode token; the caller (`NativeRMSNorm`) checked dtype and
+        device, and `rows_stride` the layout."""
         D = weight.shape[0]
         if x.shape[-1] != D:
             raise ValueError(f"x's last dim {x.shape[-1]} != weight's {D}")
-        out = torch.empty_like(x)
-        self._rms(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
+        ld = rows_stride(x)
+        if ld is None:
+            raise ValueError("x: rows must be evenly spaced with a contiguous last dim")
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rms(x.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
         return out
+
+
+def rows_stride(x: torch.Tensor) -> int | None:
+    """The distance between consecutive rows of x [..., D] viewed as [rows, D] without a copy, or None."""
+    if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        return None
+    lead = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1]  # size-1 dims do not matter
+    if not lead:
+        return x.shape[-1]  # one row
+    for (_, outer), (n, inner) in zip(lead, lead[1:]):
+        if outer != inner * n:
+            return None
+    ld = lead[-1][1]
+    return ld if ld >= x.shape[-1] else None
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple, inner: bool = False) -> None:

@@ -474,10 +474,11 @@ int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float
 /* ---------------------------------------------------------------------------------------------------- */
 /* RMSNorm                                                                                               */
 
-/* y[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w for N rows of D (contiguous), as RMSNorm's fp32 forward. */
-void glm5_rms_norm(const float *x, const float *w, float *y, long N, int D, float eps) {
+/* y[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w for N rows of D, as RMSNorm's fp32 forward: x rows ldx
+ * apart (a column slice, e.g. the latent part of the kv_a projection), y contiguous. */
+void glm5_rms_norm(const float *x, long ldx, const float *w, float *y, long N, int D, float eps) {
     for (long r = 0; r < N; r++) {
-        const float *xr = x + r * D;
+        const float *xr = x + r * ldx;
         float *yr = y + r * D;
         v8 acc = {0};
         int dv = D / 8 * 8, j = 0;
