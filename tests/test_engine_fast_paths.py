@@ -162,3 +162,18 @@ def test_small_inference_attention_equals_sdpa():
             fast = attn._dense_heads(*args)
         ref = attn._dense_heads(*args)  # grad enabled: the SDPA path
         assert torch.allclose(fast, ref, atol=1e-5), mask
+
+
+def test_decode_rows_in_step_order_are_attended_as_views():
+    """One token from each of several sequences, kept in step order (the native kernel trims keys per
+    sequence itself): the group's rows are the step's rows (no gather/scatter); sorted by length they are not."""
+    chunks = [SeqChunk(k, n - 1, [7], list(range(i * 4, i * 4 + 4))) for i, (k, n) in enumerate((("a", 3), ("b", 9), ("c", 5)))]
+    _, plain = build_metadata(chunks, 4, "cpu", sort_by_length=False)
+    _, by_len = build_metadata(chunks, 4, "cpu")
+    assert plain.groups[0].is_identity and not by_len.groups[0].is_identity
+    assert by_len.groups[0].q_index[:, 0].tolist() == [1, 2, 0]
+    x = torch.arange(3 * 2).view(3, 2)
+    from glm5.model.attention import _place, _rows
+    g = plain.groups[0]
+    assert torch.equal(_rows(g, x), x[:, None]) and _rows(g, x).data_ptr() == x.data_ptr()
+    assert torch.equal(_place(None, g, _rows(g, x), 3), x)

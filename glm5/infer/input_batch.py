@@ -49,9 +49,13 @@ class SeqChunk:
         return self.start + len(self.token_ids)
 
 
-def build_metadata(chunks: list[SeqChunk], block_size: int, device) -> tuple[torch.Tensor, AttnMetadata]:
+def build_metadata(chunks: list[SeqChunk], block_size: int, device,
+                   sort_by_length: bool = True) -> tuple[torch.Tensor, AttnMetadata]:
     """-> (input_ids [N], metadata) for the chunks laid out back to back. Built with a fixed number of
-    tensor ops per step (one padded block table [C, max_blocks]), never a loop of tensor ops per chunk."""
+    tensor ops per step (one padded block table [C, max_blocks]), never a loop of tensor ops per chunk.
+    sort_by_length=False keeps the short chunks' group in step order (for an attention kernel that trims
+    each sequence's keys itself, e.g. the native one): a step of single-token decodes is then attended
+    on views of the step's rows, without a gather and a scatter."""
     C = len(chunks)
     n_tok = torch.tensor([c.num_tokens for c in chunks])  # [C]
     start = torch.tensor([c.start for c in chunks])  # [C]
@@ -76,8 +80,9 @@ def build_metadata(chunks: list[SeqChunk], block_size: int, device) -> tuple[tor
     if any(c.adapter_id >= 0 for c in chunks):
         meta.adapter_ids = torch.tensor([c.adapter_id for c in chunks for _ in c.token_ids], device=device)
     batch = _Batch(n_tok, start, offsets, table, torch.tensor([c.prefix_len for c in chunks]), block_size)
-    short = sorted((i for i, c in enumerate(chunks) if c.num_tokens <= SHORT_CHUNK),
-                   key=lambda i: -chunks[i].context_len)  # stable: equal lengths keep their order
+    short = [i for i, c in enumerate(chunks) if c.num_tokens <= SHORT_CHUNK]
+    if sort_by_length:
+        short.sort(key=lambda i: -chunks[i].context_len)  # stable: equal lengths keep their order
     long_ = [[i] for i, c in enumerate(chunks) if c.num_tokens > SHORT_CHUNK]
     for members in ([short] if short else []) + long_:
         meta.groups.append(batch.group(members, device))
@@ -112,7 +117,10 @@ class _Batch:
         allowed = (keys[None, None, :] <= q_pos[:, :, None]) | (keys[None, None, :] < self.prefix[m][:, None, None])
         allowed &= key_valid[:, None, :]  # [B, T, S]
         allowed &= q_valid[:, :, None] | (keys == 0)[None, None, :]  # padded query rows see key 0 only
-        identity = len(members) == 1 and T == int(self.offsets[-1])  # one sequence holding the whole step
+        N = int(self.offsets[-1])
+        # the group's rows are the step's tokens in order: one sequence holding the whole step, or one token
+        # of every sequence in step order
+        identity = (len(members) == 1 and T == N) or (T == 1 and len(members) == N and members == list(range(N)))
         all_valid = bool(q_valid.all())
         valid_rows = None if all_valid else q_valid.reshape(-1).nonzero()[:, 0]  # [n]
         out_index = q_index.reshape(-1) if all_valid else q_index.reshape(-1)[valid_rows]  # [n]

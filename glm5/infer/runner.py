@@ -72,7 +72,7 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
-        ids, meta = build_metadata(chunks, self.block_size, self.device)
+        ids, meta = build_metadata(chunks, self.block_size, self.device, sort_by_length=self.latent_kernel is None)
         meta.latent_kernel = self.latent_kernel
         return ids, meta
 

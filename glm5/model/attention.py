@@ -294,9 +294,9 @@ class MLAttention(nn.Module):
 
 def _rows(g: AttnGroup, x: torch.Tensor) -> torch.Tensor:
     """The group's query rows of a step tensor x [N, ...] -> [B, T, ...] (padding rows: token 0)."""
-    if g.is_identity:
-        return x[None]
     B, T = g.q_index.shape
+    if g.is_identity:
+        return x.view(B, T, *x.shape[1:])
     return x.index_select(0, g.q_index.reshape(-1)).view(B, T, *x.shape[1:])
 
 
@@ -304,7 +304,7 @@ def _place(out: torch.Tensor | None, g: AttnGroup, og: torch.Tensor, n: int) -> 
     """Write a group's output og [B, T, H, D] (valid query rows only) into the step's out [N, H, D],
     allocated uninitialised on first use: every token is a valid query of exactly one group."""
     if g.is_identity:
-        return og[0]  # the group is the whole step, in order
+        return og.reshape(-1, *og.shape[2:])  # the group is the whole step, in order
     if out is None:
         out = og.new_empty(n, *og.shape[2:])
     rows = og.reshape(-1, *og.shape[2:])  # [B*T, H, D]

@@ -48,7 +48,7 @@ class AttnGroup:
     key_slots: torch.Tensor  # [B, S] cache slot of each key index (padding: slot of key 0)
     key_valid: torch.Tensor  # [B, S] bool: key index < the sequence's context length
     allowed: torch.Tensor  # [B, T, S] bool: keys each query may attend to (padded rows: key 0 only)
-    is_identity: bool = False  # one group holding every token of the step in order: no output scatter
+    is_identity: bool = False  # [B, T] rows are the step's N tokens in flat order (B = 1, or T = 1): views, no gather/scatter
     key_lens: list[int] | None = None  # keys of each sequence (its context length); kernels trim padding by it
     causal_from_start: bool = False  # one sequence, queries = keys 0..S-1, plain causal mask (a first chunk)
     out_index: torch.Tensor | None = None  # [n] flat token index of each valid query, in [B*T] row order
