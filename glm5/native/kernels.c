@@ -23,12 +23,13 @@
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
 
-/* exp of 8 floats <= 0 (softmax after subtracting the max): Cephes' expf polynomial after the range
- * reduction x = n ln2 + r, |r| <= ln2 / 2; about 1 ulp. Inputs below -87.3 give exp(-87.3) ~ 1e-38. */
+/* exp of 8 floats: Cephes' expf polynomial after the range reduction x = n ln2 + r, |r| <= ln2 / 2; about
+ * 1 ulp. Inputs are clamped to [-87.3, 88]: below, exp(-87.3) ~ 1e-38 stands for 0; above, 1.7e38 for inf. */
 static inline v8 exp8(v8 x) {
-    const v8 lo = (v8){0} - 87.3f;
-    vi8 small = x < lo;
+    const v8 lo = (v8){0} - 87.3f, hi = (v8){0} + 88.0f;
+    vi8 small = x < lo, big = x > hi;
     x = (v8)(((vi8)x & ~small) | ((vi8)lo & small));
+    x = (v8)(((vi8)x & ~big) | ((vi8)hi & big));
     v8 t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln2) in the low mantissa bits */
     vi8 n = (vi8)t - 0x4B400000;
     v8 nf = t - 12582912.0f;
@@ -214,7 +215,12 @@ static int moe_experts(const moe_args *a, int e0, int e1) {
         for (long r = 0; r < R; r++) {
             const float *g = hb + r * 2 * I, *u = g + I;
             float *act = ab + r * I;
-            for (int i = 0; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            int i = 0;
+            for (; i + 8 <= I; i += 8) {
+                v8 gv = *(const v8 *)(g + i);
+                *(v8 *)(act + i) = gv / (1.0f + exp8(-gv)) * *(const v8 *)(u + i);
+            }
+            for (; i < I; i++) act[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
         float *y = a->ys + lo * H;
         small_gemm(ab, I, (int)R, I, a->dn + e * a->dn_es, H, H, y);
