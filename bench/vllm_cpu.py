@@ -58,14 +58,14 @@ def export(d: str) -> None:
     print(json.dumps({"exported": d, "params": sum(p.numel() for p in model.parameters())}))
 
 
-def run_glm5(d: str) -> None:
+def run_glm5(d: str, threads: int = 1) -> None:
     import torch
 
     from glm5.infer.config import EngineConfig
     from glm5.infer.engine import LLMEngine
     from glm5.infer.malloc import tune_malloc
     from glm5.infer.sampling import SamplingParams
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     tune_malloc()  # as `glm5 serve` does (vLLM's CPU backend preloads tcmalloc where it ships one)
     opts = dict(model=f"{d}/glm5", device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
 
@@ -79,12 +79,13 @@ def run_glm5(d: str) -> None:
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         return time.perf_counter() - t, [done[str(i)] for i in range(len(ps))]
 
-    report("glm5", d, gen)
+    report("glm5", d, gen, threads)
 
 
-def run_vllm(d: str) -> None:
+def run_vllm(d: str, threads: int = 1) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")  # one core, like the glm5 run's 1 thread
+    # `threads` cores (0 .. threads-1), like the glm5 run's intra-op threads
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
     from vllm import LLM, SamplingParams
     llm = LLM(model=f"{d}/dsv3", dtype="float32", max_model_len=1024, skip_tokenizer_init=True, seed=0,
               max_num_batched_tokens=2048, max_num_seqs=256)
@@ -95,10 +96,10 @@ def run_vllm(d: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
-    report("vllm", d, gen)
+    report("vllm", d, gen, threads)
 
 
-def report(name: str, d: str, gen) -> None:
+def report(name: str, d: str, gen, threads: int) -> None:
     ps = prompts()
     gen(ps[:2], 2)  # warm-up
     t, outs = gen(ps, NEW_TOKENS)
@@ -108,7 +109,7 @@ def report(name: str, d: str, gen) -> None:
         t1, _ = gen(one, 1)
         tn, _ = gen(one, DECODE + 1)
         rates.append(DECODE / (tn - t1))
-    res = {"impl": name, "offline_tok_s": len(ps) * NEW_TOKENS / t, "decode_tok_s": sorted(rates)[1],
+    res = {"impl": name, "threads": threads, "offline_tok_s": len(ps) * NEW_TOKENS / t, "decode_tok_s": sorted(rates)[1],
            "decode_runs": rates, "load_avg": os.getloadavg()}
     with open(f"{d}/{name}_outputs.json", "w") as f:
         json.dump(outs, f)
@@ -123,5 +124,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["export", "glm5", "vllm"])
     p.add_argument("--dir", default="/tmp/dsv3")
+    p.add_argument("--threads", type=int, default=1, help="glm5's torch threads / the cores vLLM's worker binds")
     a = p.parse_args()
-    {"export": export, "glm5": run_glm5, "vllm": run_vllm}[a.what](a.dir)
+    if a.what == "export":
+        export(a.dir)
+    else:
+        {"glm5": run_glm5, "vllm": run_vllm}[a.what](a.dir, a.threads)
