@@ -34,14 +34,9 @@ def test_grouped_experts_equal_per_expert_loop_with_dropped_assignments():
 def test_blocked_dense_latent_attention_equals_one_block():
     """Ragged key counts (longest first), several blocks, and one query row per sequence or two."""
     g = torch.Generator().manual_seed(0)
-    B, H, W, R, S = 5, 3, 12, 8, 11
-    lens = [11, 9, 6, 6, 2]
-    latent = torch.randn(64, W, generator=g)
-    key_slots = torch.randperm(64, generator=g)[: B * S].view(B, S)
+    H, W, R = 3, 12, 8
     for T in (1, 2):
-        qq = torch.randn(B, T, H, W, generator=g)
-        allowed = torch.arange(S)[None, None, :] < torch.tensor(lens)[:, None, None] - torch.arange(T)[None, :, None]
-        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        qq, latent, key_slots, allowed, bias, lens = ragged_latent_case(g, T, H, W)
         # the plain formula: every padded key of each sequence, softmax(q k^T * scale) over the allowed ones
         lat = latent[key_slots]  # [B, S, W]
         sc = torch.einsum("bthw,bsw->bths", qq, lat) * 0.3
@@ -50,6 +45,18 @@ def test_blocked_dense_latent_attention_equals_one_block():
         for block_bytes in (1, 2 * 9 * W * 4, 10**9):
             got = dense_latent_attention(qq, latent, key_slots, bias, R, 0.3, lens, block_bytes=block_bytes)
             assert torch.allclose(got, ref, atol=1e-6), (T, block_bytes)
+
+
+def ragged_latent_case(g: torch.Generator, T: int, H: int, W: int):
+    """5 sequences of 11, 9, 6, 6, 2 keys (longest first) at random rows of a 64-row latent table, T query
+    rows each (causal: the last row sees every key) -> (qq, latent, key_slots, allowed, bias, lens)."""
+    B, S, lens = 5, 11, [11, 9, 6, 6, 2]
+    latent = torch.randn(64, W, generator=g)
+    key_slots = torch.randperm(64, generator=g)[: B * S].view(B, S)
+    qq = torch.randn(B, T, H, W, generator=g)
+    allowed = torch.arange(S)[None, None, :] < torch.tensor(lens)[:, None, None] - torch.arange(T)[None, :, None]
+    bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    return qq, latent, key_slots, allowed, bias, lens
 
 
 def test_mixed_paged_steps_equal_training_forward():

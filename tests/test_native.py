@@ -14,7 +14,7 @@ from glm5.model.moe import expert_loop, swiglu
 from glm5.native import NativeError, build, load
 
 from ._tiny import tiny_model
-from .test_engine_fast_paths import _greedy
+from .test_engine_fast_paths import _greedy, ragged_latent_case
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +59,8 @@ def test_latent_kernel_equals_dense_latent_attention(kernels, H, W, R):
     """Ragged lengths, causal rows (T = 2: a draft row sees one key less), a fully masked row (padding),
     odd widths (vector tails), more than 8 heads (two head blocks), 1 and 2 threads."""
     g = torch.Generator().manual_seed(H * W)
-    B, S = 5, 11
-    lens = [11, 9, 6, 6, 2]
-    latent = torch.randn(64, W, generator=g)
-    key_slots = torch.randperm(64, generator=g)[: B * S].view(B, S)
     for T in (1, 2):
-        qq = torch.randn(B, T, H, W, generator=g)
-        allowed = torch.arange(S)[None, None, :] < torch.tensor(lens)[:, None, None] - torch.arange(T)[None, :, None]
-        bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+        qq, latent, key_slots, _, bias, lens = ragged_latent_case(g, T, H, W)
         ref = dense_latent_attention(qq, latent, key_slots, bias, R, 0.3, lens)
         for threads in (1, 2):
             got = kernels.latent_decode(qq, latent, key_slots, bias, R, 0.3, lens, threads)

@@ -25,13 +25,6 @@ class NativeExperts(Experts):
 
     kernels: NativeKernels
 
-    @classmethod
-    def swap(cls, mod: Experts, kernels: NativeKernels) -> NativeExperts:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.n_experts, new.inter, new.kernels = mod.n_experts, mod.inter, kernels
-        new.gate_up_proj, new.down_proj = mod.gate_up_proj, mod.down_proj  # the same Parameters
-        return new
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,12 +43,6 @@ class NativeRMSNorm(RMSNorm):
 
     kernels: NativeKernels
 
-    @classmethod
-    def swap(cls, mod: RMSNorm, kernels: NativeKernels) -> NativeRMSNorm:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.weight, new.eps, new.kernels = mod.weight, mod.eps, kernels
-        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -65,6 +52,17 @@ class NativeRMSNorm(RMSNorm):
         return self.kernels.rms_norm(x, w, self.eps)
 
 
+def _swapped(cls: type, mod: nn.Module, kernels: NativeKernels, shared: tuple[str, ...]) -> nn.Module:
+    """An instance of `cls` (a native subclass of mod's class) holding mod's attributes `shared` - the same
+    Parameter objects, not copies - and the kernels."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    for name in shared:
+        setattr(new, name, getattr(mod, name))
+    new.kernels = kernels
+    return new
+
+
 def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
     """Swap every plain `Experts` (not LoRA-parametrised) and `RMSNorm` module for its native subclass;
     returns how many."""
@@ -72,9 +70,10 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is Experts and not nn.utils.parametrize.is_parametrized(child):
-                setattr(parent, name, NativeExperts.swap(child, kernels))
+                setattr(parent, name, _swapped(NativeExperts, child, kernels,
+                                               ("n_experts", "inter", "gate_up_proj", "down_proj")))
                 n += 1
             elif type(child) is RMSNorm and not nn.utils.parametrize.is_parametrized(child):
-                setattr(parent, name, NativeRMSNorm.swap(child, kernels))
+                setattr(parent, name, _swapped(NativeRMSNorm, child, kernels, ("weight", "eps")))
                 n += 1
     return n

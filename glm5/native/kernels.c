@@ -327,6 +327,18 @@ int glm5_moe(const float *x, long N, int H, const int64_t *idx, const float *w, 
 /* ---------------------------------------------------------------------------------------------------- */
 /* Dense absorbed-MLA attention over paged latent rows                                                   */
 
+/* f(args..., k) with k the compile-time constant min(n, 6) (n >= 1): the head-block kernels below unroll
+ * their loops over a constant number of heads. */
+#define UPTO6(n, f, ...)                        \
+    switch ((n) < 6 ? (n) : 6) {                \
+        case 1: f(__VA_ARGS__, 1); break;       \
+        case 2: f(__VA_ARGS__, 2); break;       \
+        case 3: f(__VA_ARGS__, 3); break;       \
+        case 4: f(__VA_ARGS__, 4); break;       \
+        case 5: f(__VA_ARGS__, 5); break;       \
+        default: f(__VA_ARGS__, 6); break;      \
+    }
+
 /* Scores of two key rows for a compile-time number of heads HB <= 6 (2 * HB accumulators in registers):
  * d0[h * ld] = q[h] . r0, d1[h * ld] = q[h] . r1 (d1 unused when r1 is NULL). */
 static inline __attribute__((always_inline)) void head_dots2(const float *q, int W, const float *r0, const float *r1,
@@ -395,14 +407,7 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
         for (int h0 = 0; h0 < H; h0 += 6) {
             const float *q = qs + (long)h0 * W;
             float *d0 = sc + h0 * ld + i, *d1 = d0 + 1;
-            switch (H - h0 < 6 ? H - h0 : 6) {
-                case 1: head_dots2(q, W, r0, r1, d0, d1, ld, 1); break;
-                case 2: head_dots2(q, W, r0, r1, d0, d1, ld, 2); break;
-                case 3: head_dots2(q, W, r0, r1, d0, d1, ld, 3); break;
-                case 4: head_dots2(q, W, r0, r1, d0, d1, ld, 4); break;
-                case 5: head_dots2(q, W, r0, r1, d0, d1, ld, 5); break;
-                default: head_dots2(q, W, r0, r1, d0, d1, ld, 6); break;
-            }
+            UPTO6(H - h0, head_dots2, q, W, r0, r1, d0, d1, ld);
         }
     }
     for (int h = 0; h < H; h++) { /* softmax over the allowed keys, in place */
@@ -429,14 +434,7 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
             const float *p = sc + h0 * ld + i;
             float *oh = o + (long)h0 * R;
             int two = i + 1 < m;
-            switch (H - h0 < 6 ? H - h0 : 6) {
-                case 1: head_accum2(oh, R, r0, r1, p, ld, two, 1); break;
-                case 2: head_accum2(oh, R, r0, r1, p, ld, two, 2); break;
-                case 3: head_accum2(oh, R, r0, r1, p, ld, two, 3); break;
-                case 4: head_accum2(oh, R, r0, r1, p, ld, two, 4); break;
-                case 5: head_accum2(oh, R, r0, r1, p, ld, two, 5); break;
-                default: head_accum2(oh, R, r0, r1, p, ld, two, 6); break;
-            }
+            UPTO6(H - h0, head_accum2, oh, R, r0, r1, p, ld, two);
         }
     }
 }
