@@ -74,6 +74,25 @@ def test_latent_kernel_equals_dense_latent_attention(kernels, H, W, R):
         kernels.latent_decode(qq, latent, key_slots, bias, W + 1, 0.3, lens)
 
 
+@pytest.mark.parametrize("H,E,V,P,R", [(3, 8, 8, 4, 16), (7, 13, 9, 6, 21)])
+def test_mla_kernel_equals_absorb_attend_and_w_uv(kernels, H, E, V, P, R):
+    """The fused absorbed path == W_uk through the query, the PyTorch latent kernel, W_uv on the output; q_nope
+    a strided slice of a wider projection (as `project_q` leaves it), causal draft rows, ragged lengths."""
+    g = torch.Generator().manual_seed(H * E)
+    kv_b = torch.randn(H * (E + V), R, generator=g) * 0.2
+    w = kv_b.view(H, E + V, R)
+    for T in (1, 2):
+        _, latent, key_slots, _, bias, lens = ragged_latent_case(g, T, H, R + P)
+        q = torch.randn(5, T, H, E + P + 3, generator=g)
+        q_nope, q_rope = q[..., :E], q[..., E:E + P].contiguous()
+        q_lat = torch.einsum("bthe,her->bthr", q_nope, w[:, :E])
+        o_lat = dense_latent_attention(torch.cat([q_lat, q_rope], -1), latent, key_slots, bias, R, 0.3, lens)
+        ref = torch.einsum("bthr,hvr->bthv", o_lat, w[:, E:])
+        for threads in (1, 2):
+            got = kernels.mla_decode(q_nope, q_rope, kv_b, latent, key_slots, bias, 0.3, lens, threads)
+            assert torch.allclose(got, ref, atol=1e-5), (T, threads, (got - ref).abs().max())
+
+
 def test_moe_kernel_refuses_bad_inputs(kernels):
     g = torch.Generator().manual_seed(0)
     gu, dn = _experts(4, 16, 8, g)
@@ -97,14 +116,18 @@ def test_engine_on_native_kernels_serves_the_same_tokens(kernels):
     fast = LLMEngine(EngineConfig(**opts, kernels="native"), model=tiny_model(seed=5))
     experts = fast.model.model.layers[1].mlp.experts
     assert fast.runner.latent_kernel is not None and plain.runner.latent_kernel is None
+    assert fast.runner.mla_kernel is not None and plain.runner.mla_kernel is None
     assert type(experts) is NativeExperts and type(plain.model.model.layers[1].mlp.experts) is not NativeExperts
     assert fast.model.state_dict().keys() == plain.model.state_dict().keys()
     assert _greedy(fast, prompts) == _greedy(plain, prompts)
+    fused, calls = fast.runner.mla_kernel, []
+    fast.runner.mla_kernel = lambda *a: calls.append(a[0].shape) or fused(*a)  # count the fused MLA calls
     for p in prompts:  # the same logits, prefill and decode steps included
         ids = torch.tensor([p + [5, 6]])
         with torch.no_grad():
             ref = plain.model(ids).logits
         assert torch.allclose(_logits(fast, p + [5, 6]), ref[0, -3:], atol=1e-4)
+    assert calls  # the one-token decode steps ran the fused kernel
     update = {(1, 3): {"gate_proj": torch.randn(32, 64, generator=gen), "up_proj": torch.randn(32, 64, generator=gen),
                        "down_proj": torch.randn(64, 32, generator=gen)}}
     plain.swap_experts(update)

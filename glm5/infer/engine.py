@@ -116,9 +116,10 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         cache_dtype = next(self.model.model.embed_tokens.parameters()).dtype
+        native = self.kernels if self.kernels is not None and cache_dtype == torch.float32 else None
         self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device, cache_dtype=cache_dtype,
-                                  latent_kernel=self.kernels.latent_decode if self.kernels and cache_dtype == torch.float32
-                                  else None)
+                                  latent_kernel=native.latent_decode if native else None,
+                                  mla_kernel=native.mla_decode if native else None)
         # tokens routed to each expert of each MoE layer since start (device tensor, one add per layer/step)
         self._expert_tokens = torch.zeros(self.model_config.num_hidden_layers, self.model_config.n_routed_experts,
                                           dtype=torch.long, device=self.config.device)

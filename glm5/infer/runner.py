@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5.model.kv_cache import LatentKVCache, selection_possible
-from glm5.model.latent_attention import LatentKernel
+from glm5.model.latent_attention import LatentKernel, MLAKernel
 from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import AttnMetadata, ExpertShadow
 
@@ -49,9 +49,10 @@ class _Rows:
 class ModelRunner:
     def __init__(self, model: GLM5ForCausalLM, config: EngineConfig, num_blocks: int,
                  sampler: Sampler | None = None, device: str | torch.device = "cpu",
-                 cache_dtype: torch.dtype = torch.float32, latent_kernel: LatentKernel | None = None):
+                 cache_dtype: torch.dtype = torch.float32, latent_kernel: LatentKernel | None = None,
+                 mla_kernel: MLAKernel | None = None):
         self.model, self.config, self.device = model, config, torch.device(device)
-        self.latent_kernel = latent_kernel  # handed to the model with each step's metadata
+        self.latent_kernel, self.mla_kernel = latent_kernel, mla_kernel  # handed to the model with each step's metadata
         self.cfg = model.config
         self.block_size = config.block_size
         self.with_mtp = config.speculative_num_tokens > 0
@@ -73,7 +74,7 @@ class ModelRunner:
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
         ids, meta = build_metadata(chunks, self.block_size, self.device, sort_by_length=self.latent_kernel is None)
-        meta.latent_kernel = self.latent_kernel
+        meta.latent_kernel, meta.mla_kernel = self.latent_kernel, self.mla_kernel
         return ids, meta
 
     @torch.inference_mode()

@@ -37,6 +37,10 @@ Selection = tuple[torch.Tensor, torch.Tensor]  # (idx, valid) [B, T, K]: selecte
 DENSE_MASK_RATIO = 4
 # inference on CPU: score matrices up to this many elements (B * H * T * S) go through `_attend_math`
 SMALL_SCORES = 2**21
+# `AttnMetadata.mla_kernel` runs steps of at most this many tokens: it applies W_uk / W_uv per query row,
+# which beats two batched matmuls over the step only for very few rows (bench checkpoint, 1 thread, CPU
+# time per decode step fused / split: 0.94 at 1 sequence, 1.07 at 8, 1.09 at 64)
+FUSED_MLA_MAX_ROWS = 2
 
 
 class MLAttention(nn.Module):
@@ -169,6 +173,14 @@ class MLAttention(nn.Module):
                 for gi, g in enumerate(meta.groups)]
         # per-row kv_b_proj adapters (multi-LoRA) act on the absorbed path only (see glm5/infer/lora.py)
         expand = [meta.adapter_ids is None and self._expands(g, sel) for g, sel in zip(meta.groups, sels)]
+        fused = self._fused_kv_b(meta)  # the kv_b_proj weight when meta.mla_kernel may run absorbed groups
+        if not any(expand) and fused is not None and all(sel is None for sel in sels):  # small decode steps, fused
+            o_heads = None  # [N, H, V]
+            for g in meta.groups:
+                og = meta.mla_kernel(_rows(g, q_nope), _rows(g, q_rope), fused, latent, g.key_slots, g.key_bias,
+                                     self.scale, g.key_lens)
+                o_heads = _place(o_heads, g, og, N)
+            return self.o_proj(o_heads.flatten(-2))[None], sels
         if not any(expand):  # all absorbed (decode steps): W_uk once over the step, W_uv + o_proj once
             qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
             o_lat = None  # [N, H, R]
@@ -179,11 +191,27 @@ class MLAttention(nn.Module):
         for g, sel, exp in zip(meta.groups, sels, expand):
             if exp:
                 og = self._attend_expanded(g, q_nope, q_rope, latent, sel)  # [B, T, H, V]
+            elif fused is not None and sel is None:
+                og = meta.mla_kernel(_rows(g, q_nope), _rows(g, q_rope), fused, latent, g.key_slots, g.key_bias,
+                                     self.scale, g.key_lens)
             else:
                 qg = torch.cat([self.absorb_q(_rows(g, q_nope)), _rows(g, q_rope)], dim=-1)  # [B, T, H, R+P]
                 og = self.latent_to_heads(self._attend_latent(g, qg, latent, sel, meta.latent_kernel))
             o_heads = _place(o_heads, g, og, N)
         return self.o_proj(o_heads.flatten(-2))[None], sels
+
+    def _fused_kv_b(self, meta) -> torch.Tensor | None:
+        """kv_b_proj's weight when `meta.mla_kernel` should run this layer's absorbed groups: a kernel is
+        given, the step is small (FUSED_MLA_MAX_ROWS), no per-row adapters are active (they add to W_uk /
+        W_uv's products) and the weight is a plain contiguous tensor (not a tensor-parallel shard or a
+        parametrisation)."""
+        if meta.mla_kernel is None or meta.adapter_ids is not None or meta.num_tokens > FUSED_MLA_MAX_ROWS:
+            return None
+        mod = self.kv_b_proj
+        if type(mod) is not nn.Linear or nn.utils.parametrize.is_parametrized(mod):
+            return None
+        w = mod.weight
+        return w if type(w) is nn.Parameter and w.is_contiguous() else None
 
     def _expands(self, g: AttnGroup, sel) -> bool:
         """Whether to attend this group with per-head K/V (kv_b_proj on the cached latents, then SDPA: the

@@ -32,6 +32,17 @@ class LatentKernel(Protocol):
                  kv_rank: int, scale: float, key_lens: list[int] | None = None) -> torch.Tensor: ...
 
 
+class MLAKernel(Protocol):
+    """Absorbed MLA for one group from the un-absorbed query, with W_uk and W_uv read from the kv_b_proj
+    weight [H*(E+V), R]: q_nope [B, T, H, E], q_rope [B, T, H, P] -> per-head values [B, T, H, V]; equal to
+    `MLAttention.latent_to_heads(dense_latent_attention(cat(absorb_q(q_nope), q_rope), ...))`. The native
+    CPU kernel (glm5/native) implements it; the engine hands it over in `AttnMetadata.mla_kernel`."""
+
+    def __call__(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor,
+                 key_slots: torch.Tensor, bias: torch.Tensor, scale: float,
+                 key_lens: list[int] | None = None) -> torch.Tensor: ...
+
+
 def dense_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,
                            kv_rank: int, scale: float, key_lens: list[int] | None = None,
                            block_bytes: int = KEY_BLOCK_BYTES) -> torch.Tensor:

@@ -19,7 +19,9 @@ Extension points, so later features extend this dataclass instead of forking the
     modules gather their per-row adapters from it (the layers already receive the paged context).
 
 Attention backend: `latent_kernel`, when set, replaces `dense_latent_attention` for absorbed groups
-without a top-k selection (the engine sets the native CPU kernel, glm5/native, for fp32 caches).
+without a top-k selection, and `mla_kernel` the whole absorbed path of such a group (W_uk, attention, W_uv)
+where kv_b_proj is a plain weight and no per-row adapters are active (the engine sets the native CPU
+kernels, glm5/native, for fp32 caches).
 
 Expert hot swap (engine): `pinned_rows` marks tokens of requests started before the latest swap; the
 MoE layers run those tokens' assignments to swapped experts on `expert_shadow`'s weights.
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import LatentKVCache
-from .latent_attention import LatentKernel
+from .latent_attention import LatentKernel, MLAKernel
 
 
 @dataclass
@@ -86,6 +88,7 @@ class AttnMetadata:
     pinned_rows: torch.Tensor | None = None  # [N] bool: token of a request that runs on expert_shadow's version
     expert_shadow: ExpertShadow | None = None  # the older weights of swapped experts, for pinned rows
     latent_kernel: LatentKernel | None = None  # runs the dense absorbed attention instead of the PyTorch one
+    mla_kernel: MLAKernel | None = None  # ... or the whole absorbed path (W_uk, attention, W_uv) in one call
 
     @property
     def num_tokens(self) -> int:

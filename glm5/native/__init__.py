@@ -13,6 +13,8 @@ a different machine or compiler builds its own. The compiler is `$CC` or `cc`.
 Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.moe`: one routed-expert MoE layer (glm5.model.moe.grouped_experts),
   * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention),
+  * `NativeKernels.mla_decode`: the same from the un-absorbed query, W_uk and W_uv included (MLAttention's
+    absorbed path: absorb_q, dense_latent_attention, latent_to_heads),
   * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm).
 """
 
@@ -117,6 +119,9 @@ class NativeKernels:
         self.lib.glm5_latent_decode.argtypes = [_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, ctypes.c_float,
                                                 _P, _I]
         self.lib.glm5_latent_decode.restype = _I
+        self.lib.glm5_mla_decode.argtypes = [_P, _L, _L, _P, _P, _I, _I, _I, _L, _L, _I, _P, _L, _P, _L, _P, _P, _I,
+                                             ctypes.c_float, _P, _I]
+        self.lib.glm5_mla_decode.restype = _I
         self.lib.glm5_rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, ctypes.c_float]
         self.lib.glm5_rms_norm.restype = None
         self._rms = self.lib.glm5_rms_norm
@@ -173,6 +178,39 @@ class NativeKernels:
         _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
         return out
 
+
+    def mla_decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor,
+                   key_slots: torch.Tensor, bias: torch.Tensor, scale: float, key_lens: list[int] | None = None,
+                   threads: int | None = None) -> torch.Tensor:
+        """Absorbed MLA from the un-absorbed query: q_nope [B, T, H, E], q_rope [B, T, H, P] (rotated), kv_b
+        the kv_b_proj weight [H*(E+V), R] (per head: W_uk's E rows, then W_uv's V rows), latent [rows, R+P]
+        and the rest as `latent_decode` -> [B, T, H, V], i.e. `latent_to_heads(dense_latent_attention(
+        cat(absorb_q(q_nope), q_rope), ...))` in one call per group."""
+        B, T, H, E = q_nope.shape
+        P, R = q_rope.shape[-1], kv_b.shape[-1]
+        V = kv_b.shape[0] // H - E
+        S = key_slots.shape[1]
+        _check(kv_b, "kv_b", (H * (E + V), R))
+        _check(latent, "latent", (latent.shape[0], R + P))
+        q_rope, bias = q_rope.contiguous(), bias.contiguous()
+        _check(q_rope, "q_rope", (B, T, H, P))
+        _check(bias, "bias", (B, T, S))
+        if q_nope.dtype != torch.float32 or q_nope.device.type != "cpu":
+            raise ValueError(f"q_nope: native kernels take float32 CPU tensors, got {q_nope.dtype} on {q_nope.device}")
+        qn = q_nope.reshape(B * T, H, E)  # a view when the rows are evenly spaced
+        if qn.stride(-1) != 1:
+            qn = qn.contiguous()
+        slots = key_slots.to(torch.int64).contiguous()
+        lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)
+        if slots.shape != (B, S) or lens.shape != (B,):
+            raise ValueError(f"key_slots {list(slots.shape)} / key_lens {list(lens.shape)} do not match {B} sequences")
+        out = q_rope.new_empty(B, T, H, V)
+        rc = self.lib.glm5_mla_decode(qn.data_ptr(), qn.stride(0), qn.stride(1), q_rope.data_ptr(), kv_b.data_ptr(),
+                                      E, V, P, B, T, H, latent.data_ptr(), latent.shape[0], slots.data_ptr(), S,
+                                      bias.data_ptr(), lens.data_ptr(), R, scale, out.data_ptr(),
+                                      threads or torch.get_num_threads())
+        _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU x whose rows are evenly spaced (contiguous, or a column

@@ -439,13 +439,27 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
     }
 }
 
-/* out [B, T, H, R] = softmax(q . k * scale + bias) . k[:R] per head, for queries q [B, T, H, W] over the
- * keys of each sequence b: latent rows lat[slots[b, s]] (lat [rows, W]) for s < lens[b] <= S, with the
- * additive mask bias [B, T, S] (-inf = not allowed; such keys are not read). All contiguous fp32 / int64.
- * Returns 0; 2 for a slot outside [0, rows) or a length outside [0, S]; 1 when out of memory. */
-int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float *lat, long rows,
-                       const int64_t *slots, long S, const float *bias, const int64_t *lens, int R, float scale,
-                       float *out, int threads) {
+/* Absorbed MLA end to end (`glm5_mla_decode`): each query row's latent query is formed here from q_nope
+ * through W_uk, and its latent output taken through W_uv, both read from the kv_b_proj weight. */
+typedef struct {
+    const float *q_nope, *q_rope, *kvb; /* q_nope [items, H, E] (strided), q_rope [items, H, P], kvb [H*(E+V), R] */
+    long qn_si, qn_sh;                  /* q_nope's item and head strides (its last dim is contiguous) */
+    int E, V, P;
+} absorb_t;
+
+static inline float dot(const float *a, const float *b, int n) {
+    v8 acc = {0};
+    int nv = n / 8 * 8, j = 0;
+    for (; j < nv; j += 8) acc += *(const v8 *)(a + j) * *(const v8 *)(b + j);
+    float s = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* The query rows of B sequences x T (items i = b * T + t) over their keys; see the two entry points. */
+static int latent_items(const float *q, const absorb_t *ab, long B, long T, int H, int W, const float *lat,
+                        long rows, const int64_t *slots, long S, const float *bias, const int64_t *lens, int R,
+                        float scale, float *out, int threads) {
     for (long b = 0; b < B; b++) {
         if (lens[b] < 0 || lens[b] > S) return 2;
         for (long s = 0; s < lens[b]; s++)
@@ -458,21 +472,57 @@ int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float
 #pragma omp parallel num_threads(nt) reduction(| : fail) if (nt > 1)
     {
         long ld = S ? S : 1;
-        float *qs = malloc(sizeof(float) * ((long)H * W + (long)H * ld) + sizeof(int64_t) * ld);
-        float *sc = qs ? qs + (long)H * W : NULL;
-        int64_t *keys = qs ? (int64_t *)(sc + (long)H * ld) : NULL;
+        float *qs = malloc(sizeof(float) * ((long)H * W + (long)H * ld + (long)H * R) + sizeof(int64_t) * ld);
+        float *sc = qs ? qs + (long)H * W : NULL, *olat = qs ? sc + (long)H * ld : NULL;
+        int64_t *keys = qs ? (int64_t *)(olat + (long)H * R) : NULL;
         fail |= !qs;
 #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < items; i++) { /* every thread takes part in the loop, even without buffers */
             if (!qs) continue;
             long b = i / T;
-            const float *qi = q + i * H * W;
-            for (long j = 0; j < (long)H * W; j++) qs[j] = qi[j] * scale;
-            latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, R, sc, keys, ld, out + i * H * R);
+            if (ab) {
+                const int E = ab->E, V = ab->V, P = ab->P;
+                for (int h = 0; h < H; h++) {
+                    const float *w_uk = ab->kvb + (long)h * (E + V) * R; /* [E, R] */
+                    small_gemm(ab->q_nope + i * ab->qn_si + h * ab->qn_sh, E, 1, E, w_uk, R, R, qs + (long)h * W);
+                    memcpy(qs + (long)h * W + R, ab->q_rope + (i * H + h) * (long)P, sizeof(float) * P);
+                }
+                for (long j = 0; j < (long)H * W; j++) qs[j] *= scale;
+                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, R, sc, keys, ld, olat);
+                for (int h = 0; h < H; h++) {
+                    const float *w_uv = ab->kvb + ((long)h * (E + V) + E) * R; /* [V, R] */
+                    for (int v = 0; v < V; v++) out[(i * H + h) * V + v] = dot(olat + (long)h * R, w_uv + (long)v * R, R);
+                }
+            } else {
+                const float *qi = q + i * H * W;
+                for (long j = 0; j < (long)H * W; j++) qs[j] = qi[j] * scale;
+                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, R, sc, keys, ld, out + i * H * R);
+            }
         }
         free(qs);
     }
     return fail;
+}
+
+/* out [B, T, H, R] = softmax(q . k * scale + bias) . k[:R] per head, for queries q [B, T, H, W] over the
+ * keys of each sequence b: latent rows lat[slots[b, s]] (lat [rows, W]) for s < lens[b] <= S, with the
+ * additive mask bias [B, T, S] (-inf = not allowed; such keys are not read). All contiguous fp32 / int64.
+ * Returns 0; 2 for a slot outside [0, rows) or a length outside [0, S]; 1 when out of memory. */
+int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float *lat, long rows,
+                       const int64_t *slots, long S, const float *bias, const int64_t *lens, int R, float scale,
+                       float *out, int threads) {
+    return latent_items(q, NULL, B, T, H, W, lat, rows, slots, S, bias, lens, R, scale, out, threads);
+}
+
+/* The same attention from the un-absorbed query: q_nope [B*T, H, E] (item stride qn_si, head stride qn_sh,
+ * last dim contiguous) through W_uk, q_rope [B*T, H, P] contiguous, kvb the kv_b_proj weight [H*(E+V), R]
+ * (head h's W_uk rows h*(E+V) .. +E, its W_uv rows the next V); latent rows of width R + P.
+ * out [B, T, H, V] = W_uv . attention output. Returns as glm5_latent_decode. */
+int glm5_mla_decode(const float *q_nope, long qn_si, long qn_sh, const float *q_rope, const float *kvb, int E,
+                    int V, int P, long B, long T, int H, const float *lat, long rows, const int64_t *slots, long S,
+                    const float *bias, const int64_t *lens, int R, float scale, float *out, int threads) {
+    absorb_t ab = {q_nope, q_rope, kvb, qn_si, qn_sh, E, V, P};
+    return latent_items(NULL, &ab, B, T, H, R + P, lat, rows, slots, S, bias, lens, R, scale, out, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
