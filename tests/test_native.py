@@ -211,3 +211,19 @@ def test_rms_norm_kernel_equals_rmsnorm_on_contiguous_and_sliced_rows(kernels):
     assert rows_stride(wide.transpose(0, 1)[..., :20]) is None and rows_stride(wide.transpose(1, 2)) is None
     with pytest.raises(ValueError, match="evenly spaced"):
         kernels.rms_norm(wide.transpose(0, 1)[..., :20], norm.weight, norm.eps)
+
+
+def test_rope_kernel_equals_apply_rope(kernels):
+    """The rope slices of the q and kv_a projections (strided rows; per-head and shared), both pair layouts."""
+    from glm5.model.layers import apply_rope, rope_angles, rope_inv_freq
+    g = torch.Generator().manual_seed(0)
+    N, H, E, P = 7, 3, 5, 8
+    cos, sin = rope_angles(torch.randint(0, 100, (1, N), generator=g), rope_inv_freq(P, 10000.0))  # [1, N, P/2]
+    q = torch.randn(1, N, H, E + P, generator=g)
+    kv = torch.randn(1, N, 12 + P, generator=g)
+    for interleave in (True, False):
+        for x, c, s in ((q[..., E:], cos[:, :, None], sin[:, :, None]), (kv[..., 12:], cos, sin)):
+            got = kernels.rope(x, c, s, interleave)
+            assert got.is_contiguous() and torch.allclose(got, apply_rope(x, c, s, interleave), atol=1e-6)
+    with pytest.raises(ValueError, match="rope: unsupported"):
+        kernels.rope(q[..., E:].double(), cos[:, :, None], sin[:, :, None], True)

@@ -119,7 +119,8 @@ class LLMEngine:
         native = self.kernels if self.kernels is not None and cache_dtype == torch.float32 else None
         self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device, cache_dtype=cache_dtype,
                                   latent_kernel=native.latent_decode if native else None,
-                                  mla_kernel=native.mla_decode if native else None)
+                                  mla_kernel=native.mla_decode if native else None,
+                                  rope_kernel=native.rope if native else None)
         # tokens routed to each expert of each MoE layer since start (device tensor, one add per layer/step)
         self._expert_tokens = torch.zeros(self.model_config.num_hidden_layers, self.model_config.n_routed_experts,
                                           dtype=torch.long, device=self.config.device)

@@ -25,7 +25,7 @@ from torch import nn
 from .config import ModelConfig
 from .indexer import Indexer, dsa_topk, window_select
 from .latent_attention import LatentKernel, dense_latent_attention, gathered_latent_attention
-from .layers import RMSNorm, apply_rope
+from .layers import RMSNorm, RopeKernel, apply_rope
 from .masks import MaskSpec
 from .paged import AttnGroup, PagedContext
 
@@ -64,19 +64,19 @@ class MLAttention(nn.Module):
                                 cfg.qk_rope_head_dim, cfg.indexer_rope_interleave) if has_indexer else None)
 
     # --- projections -------------------------------------------------------------------------------
-    def project_q(self, x: torch.Tensor, cos, sin):
+    def project_q(self, x: torch.Tensor, cos, sin, rope: RopeKernel = apply_rope):
         """-> q_nope [B, T, H, E], q_rope (rotated) [B, T, H, P], q_resid [B, T, q_lora_rank]."""
         B, T, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, T, self.n_heads, self.nope + self.rope)  # [B, T, H, E+P]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        q_rope = apply_rope(q_rope, cos[:, :, None], sin[:, :, None], self.cfg.rope_interleave)
+        q_rope = rope(q_rope, cos[:, :, None], sin[:, :, None], self.cfg.rope_interleave)
         return q_nope, q_rope, q_resid
 
-    def project_kv(self, x: torch.Tensor, cos, sin):
+    def project_kv(self, x: torch.Tensor, cos, sin, rope: RopeKernel = apply_rope):
         """-> normalised latent c_kv [B, S, R] and the rotated shared rope key [B, S, P]: the MLA cache."""
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        return self.kv_a_layernorm(c_kv), apply_rope(k_rope, cos, sin, self.cfg.rope_interleave)
+        return self.kv_a_layernorm(c_kv), rope(k_rope, cos, sin, self.cfg.rope_interleave)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight
@@ -157,8 +157,9 @@ class MLAttention(nn.Module):
     def _forward_paged(self, x, cos, sin, ctx: PagedContext, prev_sel: list | None):
         """Flat tokens x [1, N, hidden] -> (out [1, N, hidden], per-group selections)."""
         meta, cache, layer = ctx.meta, ctx.cache, self.layer_idx
-        q_nope, q_rope, q_resid = self.project_q(x, cos, sin)  # [1, N, H, E], [1, N, H, P]
-        c_kv, k_rope = self.project_kv(x, cos, sin)  # [1, N, R], [1, N, P]
+        rope = meta.rope_kernel or apply_rope
+        q_nope, q_rope, q_resid = self.project_q(x, cos, sin, rope)  # [1, N, H, E], [1, N, H, P]
+        c_kv, k_rope = self.project_kv(x, cos, sin, rope)  # [1, N, R], [1, N, P]
         qi = wi = ki = None
         if self.indexer is not None and cache.index_k[layer] is not None:
             ki = self.indexer.project_k(x, cos, sin)[0]  # [N, D]: every full layer caches its indexer key

@@ -38,6 +38,7 @@ import torch
 
 from .kv_cache import LatentKVCache
 from .latent_attention import LatentKernel, MLAKernel
+from .layers import RopeKernel
 
 
 @dataclass
@@ -89,6 +90,7 @@ class AttnMetadata:
     expert_shadow: ExpertShadow | None = None  # the older weights of swapped experts, for pinned rows
     latent_kernel: LatentKernel | None = None  # runs the dense absorbed attention instead of the PyTorch one
     mla_kernel: MLAKernel | None = None  # ... or the whole absorbed path (W_uk, attention, W_uv) in one call
+    rope_kernel: RopeKernel | None = None  # rotates the attention's q / k instead of `apply_rope`
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,8 @@ Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention),
   * `NativeKernels.mla_decode`: the same from the un-absorbed query, W_uk and W_uv included (MLAttention's
     absorbed path: absorb_q, dense_latent_attention, latent_to_heads),
-  * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm).
+  * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm),
+  * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope).
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ class NativeKernels:
         self.lib.glm5_rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, ctypes.c_float]
         self.lib.glm5_rms_norm.restype = None
         self._rms = self.lib.glm5_rms_norm
+        self.lib.glm5_rope.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I]
+        self.lib.glm5_rope.restype = None
+        self._rope = self.lib.glm5_rope
 
     def moe(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -210,6 +214,22 @@ class NativeKernels:
                                       bias.data_ptr(), lens.data_ptr(), R, scale, out.data_ptr(),
                                       threads or torch.get_num_threads())
         _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+        """`apply_rope` (glm5.model.layers) for an fp32 CPU x [..., T, P] or [..., T, H, P] with evenly spaced
+        rows (e.g. the rope slice of a projection) and contiguous cos / sin holding one [P/2] row per token
+        (broadcast over heads) -> a contiguous tensor of x's shape."""
+        P = x.shape[-1]
+        N = cos.numel() // max(P // 2, 1)
+        ld = rows_stride(x)
+        if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu" and P % 2 == 0
+                and cos.shape[-1] == P // 2 and sin.shape == cos.shape and cos.is_contiguous() and sin.is_contiguous()
+                and N > 0 and x.numel() % (N * P) == 0 and ld is not None):
+            raise ValueError(f"rope: unsupported x {list(x.shape)} {x.dtype} / cos {list(cos.shape)} {cos.dtype}")
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rope(x.data_ptr(), ld, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), N, x.numel() // (N * P), P,
+                   int(interleave))
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -526,6 +526,29 @@ int glm5_mla_decode(const float *q_nope, long qn_si, long qn_sh, const float *q_
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
+/* Rotary embedding                                                                                      */
+
+/* y[t, h] = x[t, h] rotated by token t's angles (cos / sin [N, P/2]) for N tokens x H heads of P values: x
+ * rows (t * H + h) ldx apart, y contiguous [N, H, P]. interleave: pairs (x[2i], x[2i+1]) (GPT-J); else
+ * (x[i], x[i + P/2]) (NeoX). Output [x1 cos - x2 sin | x2 cos + x1 sin], as `apply_rope`. */
+void glm5_rope(const float *x, long ldx, const float *cs, const float *sn, float *y, long N, int H, int P,
+               int interleave) {
+    int half = P / 2;
+    for (long t = 0; t < N; t++) {
+        const float *c = cs + t * half, *s = sn + t * half;
+        for (int h = 0; h < H; h++) {
+            const float *xr = x + (t * H + h) * ldx;
+            float *yr = y + (t * H + h) * (long)P;
+            for (int i = 0; i < half; i++) {
+                float x1 = interleave ? xr[2 * i] : xr[i], x2 = interleave ? xr[2 * i + 1] : xr[i + half];
+                yr[i] = x1 * c[i] - x2 * s[i];
+                yr[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
 /* RMSNorm                                                                                               */
 
 /* y[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w for N rows of D, as RMSNorm's fp32 forward: x rows ldx
