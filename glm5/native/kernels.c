@@ -43,12 +43,28 @@ static inline v8 exp8(v8 x) {
     return (v8)((vi8)y + (n << 23));
 }
 
-#define PREFETCH_ROWS 48 /* weight rows ahead of the one being read */
-#ifndef TILE_M
+/* small_gemm's regimes by rows R sharing a weight (an expert's rows), measured on the bench checkpoint:
+ * R <= LIN_ROWS: one weight row at a time, in memory order (a pure stream: 14-17 GB/s on one core here,
+ * against 11-12 reading four rows at a time); up to TILE_ROWS: four weight rows at a time over K_CHUNK-row
+ * chunks (read from memory once, from cache for the other row blocks); from TILE_ROWS: TILE_M x 16 register
+ * tiles (arithmetic-bound). */
+#define LIN_ROWS 6
+#define TILE_ROWS 12
 #define TILE_M 8
-#endif
-#define TILE_ROWS 12     /* rows per expert from which the register-tiled GEMM beats streaming */
-#define K_CHUNK 64      /* weight rows per chunk when more than 4 input rows share an expert */
+#define K_CHUNK 64
+#define PREFETCH_ROWS 8 /* weight rows ahead of the one being read (four-row form) */
+
+/* f(args..., k) with k the compile-time constant min(n, 6) (n >= 1): kernels below unroll their loops over
+ * a constant number of rows or heads. */
+#define UPTO6(n, f, ...)                        \
+    switch ((n) < 6 ? (n) : 6) {                \
+        case 1: f(__VA_ARGS__, 1); break;       \
+        case 2: f(__VA_ARGS__, 2); break;       \
+        case 3: f(__VA_ARGS__, 3); break;       \
+        case 4: f(__VA_ARGS__, 4); break;       \
+        case 5: f(__VA_ARGS__, 5); break;       \
+        default: f(__VA_ARGS__, 6); break;      \
+    }
 
 /* Y[0:RR, :] += X[0:RR, k:k+4] @ W[k:k+4, :] for a compile-time RR: four weight rows read once per vector,
  * each input row's four coefficients held in registers. */
@@ -104,8 +120,26 @@ static inline __attribute__((always_inline)) void tile16(const float *X, long ld
     }
 }
 
-/* Y[R, N] = X[R, K] @ W[K, N] for many rows (R >= TILE_ROWS): 6 x 16 register tiles, column panel by
- * column panel. */
+/* Y[0:RR, :] += X[0:RR, :] @ W for a compile-time RR <= 6, one weight row at a time (in memory order). */
+static inline __attribute__((always_inline)) void lin_rows(const float *X, long ldx, int K, const float *W, long ldw,
+                                                           int N, float *Y, const int RR) {
+    int nv = N / 8 * 8;
+    for (int k = 0; k < K; k++) {
+        const float *w = W + (long)k * ldw;
+        float b[6];
+        for (int r = 0; r < RR; r++) b[r] = X[r * ldx + k];
+        int j = 0;
+        for (; j < nv; j += 8) {
+            v8 x = *(const v8 *)(w + j);
+            for (int r = 0; r < RR; r++) *(v8 *)(Y + r * (long)N + j) += b[r] * x;
+        }
+        for (; j < N; j++)
+            for (int r = 0; r < RR; r++) Y[r * (long)N + j] += b[r] * w[j];
+    }
+}
+
+/* Y[R, N] = X[R, K] @ W[K, N] for many rows (R >= TILE_ROWS): TILE_M x 16 register tiles, column panel
+ * by column panel. */
 static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
     int nt = N / 16 * 16;
     for (int j = 0; j < nt; j += 16)
@@ -119,9 +153,7 @@ static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, l
                 case 4: tile16(x, ldx, K, W + j, ldw, y, N, 4); break;
                 case 5: tile16(x, ldx, K, W + j, ldw, y, N, 5); break;
                 case 6: tile16(x, ldx, K, W + j, ldw, y, N, 6); break;
-#if TILE_M > 6
                 case 7: tile16(x, ldx, K, W + j, ldw, y, N, 7); break;
-#endif
                 default: tile16(x, ldx, K, W + j, ldw, y, N, TILE_M); break;
             }
         }
@@ -133,16 +165,18 @@ static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, l
         }
 }
 
-/* Y[R, N] = X[R, K] @ W[K, N] (X rows ldx apart, W rows ldw apart, Y contiguous). Few rows (decode): the
- * weight is streamed in row order (each byte read once, in memory order: the bound is bandwidth); more than
- * 4 input rows are taken 4 at a time over K_CHUNK weight rows, so each chunk is read from memory once and
- * from cache by the other row blocks. Many rows: register tiles (the bound is arithmetic). */
+/* Y[R, N] = X[R, K] @ W[K, N] (X rows ldx apart, W rows ldw apart, Y contiguous), in the regime R calls for
+ * (see LIN_ROWS above): few rows (decode) are bound by reading W, many by arithmetic. */
 static void small_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
     if (R >= TILE_ROWS) {
         tiled_gemm(X, ldx, R, K, W, ldw, N, Y);
         return;
     }
     memset(Y, 0, sizeof(float) * (long)R * N);
+    if (R <= LIN_ROWS) {
+        UPTO6(R, lin_rows, X, ldx, K, W, ldw, N, Y);
+        return;
+    }
     for (int k0 = 0; k0 < K; k0 += K_CHUNK) {
         int k1 = k0 + K_CHUNK < K ? k0 + K_CHUNK : K;
         for (int r0 = 0; r0 < R; r0 += 4) {
@@ -326,18 +360,6 @@ int glm5_moe(const float *x, long N, int H, const int64_t *idx, const float *w, 
 
 /* ---------------------------------------------------------------------------------------------------- */
 /* Dense absorbed-MLA attention over paged latent rows                                                   */
-
-/* f(args..., k) with k the compile-time constant min(n, 6) (n >= 1): the head-block kernels below unroll
- * their loops over a constant number of heads. */
-#define UPTO6(n, f, ...)                        \
-    switch ((n) < 6 ? (n) : 6) {                \
-        case 1: f(__VA_ARGS__, 1); break;       \
-        case 2: f(__VA_ARGS__, 2); break;       \
-        case 3: f(__VA_ARGS__, 3); break;       \
-        case 4: f(__VA_ARGS__, 4); break;       \
-        case 5: f(__VA_ARGS__, 5); break;       \
-        default: f(__VA_ARGS__, 6); break;      \
-    }
 
 /* Scores of two key rows for a compile-time number of heads HB <= 6 (2 * HB accumulators in registers):
  * d0[h * ld] = q[h] . r0, d1[h * ld] = q[h] . r1 (d1 unused when r1 is NULL). */
