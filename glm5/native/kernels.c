@@ -361,37 +361,22 @@ int glm5_moe(const float *x, long N, int H, const int64_t *idx, const float *w, 
 /* ---------------------------------------------------------------------------------------------------- */
 /* Dense absorbed-MLA attention over paged latent rows                                                   */
 
-/* Scores of two key rows for a compile-time number of heads HB <= 6 (2 * HB accumulators in registers):
- * d0[h * ld] = q[h] . r0, d1[h * ld] = q[h] . r1 (d1 unused when r1 is NULL). */
-static inline __attribute__((always_inline)) void head_dots2(const float *q, int W, const float *r0, const float *r1,
-                                                             float *d0, float *d1, long ld, const int HB) {
-    v8 a0[6], a1[6];
-    for (int h = 0; h < HB; h++) a0[h] = a1[h] = (v8){0};
+/* d[h * ld] = q[h] . row for a compile-time number of heads HB <= 6 (HB accumulators in registers; the key
+ * row is read once for all of them). */
+static inline __attribute__((always_inline)) void head_dots(const float *q, int W, const float *row, float *d,
+                                                            long ld, const int HB) {
+    v8 acc[6];
+    for (int h = 0; h < HB; h++) acc[h] = (v8){0};
     int wv = W / 8 * 8, j = 0;
-    if (r1) {
-        for (; j < wv; j += 8) {
-            v8 x0 = *(const v8 *)(r0 + j), x1 = *(const v8 *)(r1 + j);
-            for (int h = 0; h < HB; h++) {
-                v8 qv = *(const v8 *)(q + (long)h * W + j);
-                a0[h] += qv * x0;
-                a1[h] += qv * x1;
-            }
-        }
-    } else {
-        for (; j < wv; j += 8) {
-            v8 x0 = *(const v8 *)(r0 + j);
-            for (int h = 0; h < HB; h++) a0[h] += *(const v8 *)(q + (long)h * W + j) * x0;
-        }
+    for (; j < wv; j += 8) {
+        v8 x = *(const v8 *)(row + j);
+        for (int h = 0; h < HB; h++) acc[h] += *(const v8 *)(q + (long)h * W + j) * x;
     }
     for (int h = 0; h < HB; h++) {
-        float s0 = 0, s1 = 0;
-        for (int l = 0; l < 8; l++) { s0 += a0[h][l]; s1 += a1[h][l]; }
-        for (int jj = j; jj < W; jj++) {
-            s0 += q[(long)h * W + jj] * r0[jj];
-            if (r1) s1 += q[(long)h * W + jj] * r1[jj];
-        }
-        d0[h * ld] = s0;
-        if (r1) d1[h * ld] = s1;
+        float s = 0;
+        for (int l = 0; l < 8; l++) s += acc[h][l];
+        for (int jj = j; jj < W; jj++) s += q[(long)h * W + jj] * row[jj];
+        d[h * ld] = s;
     }
 }
 
@@ -424,13 +409,10 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
         if (bias[s] != -INFINITY) keys[m++] = s;
     memset(o, 0, sizeof(float) * H * R);
     if (!m) return; /* a row with no allowed key: zeros */
-    for (long i = 0; i < m; i += 2) {
-        const float *r0 = lat + slots[keys[i]] * W, *r1 = i + 1 < m ? lat + slots[keys[i + 1]] * W : NULL;
-        for (int h0 = 0; h0 < H; h0 += 6) {
-            const float *q = qs + (long)h0 * W;
-            float *d0 = sc + h0 * ld + i, *d1 = d0 + 1;
-            UPTO6(H - h0, head_dots2, q, W, r0, r1, d0, d1, ld);
-        }
+    for (long i = 0; i < m; i++) { /* one key row at a time: a pure stream through the sequence's blocks */
+        const float *row = lat + slots[keys[i]] * W;
+        for (int h0 = 0; h0 < H; h0 += 6)
+            UPTO6(H - h0, head_dots, qs + (long)h0 * W, W, row, sc + h0 * ld + i, ld);
     }
     for (int h = 0; h < H; h++) { /* softmax over the allowed keys, in place */
         float *p = sc + h * ld, mx = -INFINITY, z = 0;
