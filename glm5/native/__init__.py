@@ -250,6 +250,8 @@ class NativeKernels:
 
 def rows_stride(x: torch.Tensor) -> int | None:
     """The distance between consecutive rows of x [..., D] viewed as [rows, D] without a copy, or None."""
+    if x.dim() > 0 and x.is_contiguous():
+        return x.shape[-1]
     if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
         return None
     lead = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1]  # size-1 dims do not matter
