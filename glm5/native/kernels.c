@@ -3,10 +3,14 @@
  *
  *   glm5_moe           routed experts of one MoE layer  == glm5.model.moe.grouped_experts
  *   glm5_latent_decode dense absorbed-MLA attention     == glm5.model.latent_attention.dense_latent_attention
+ *   glm5_mla_decode    the same with W_uk and W_uv      == MLAttention.absorb_q / .latent_to_heads around it
+ *   glm5_rope          rotary embedding                 == glm5.model.layers.apply_rope
+ *   glm5_rms_norm      RMSNorm, fp32                    == glm5.model.layers.RMSNorm
  *
- * Why native: at decode sizes both are memory-bound loops over small products (4-row expert GEMMs, 6-head
- * latent attention) where per-call BLAS overhead, gathers and temporaries cost more than the arithmetic.
- * Here every weight / key row is read once, in memory order, with the partial results kept in L1.
+ * Why native: at decode sizes the first three are memory-bound loops over small products (a few rows per
+ * expert, 6-head latent attention) where per-call BLAS overhead, gathers and temporaries cost more than the
+ * arithmetic, and the last two are composites of ~10 PyTorch ops each. Here every weight / key row is read
+ * once, in memory order where it matters, with the partial results kept in L1.
  *
  * Threads: OpenMP, sharing the runtime PyTorch already loaded (libgomp.so.1), so the kernels run on the
  * same pool as torch's own ops instead of competing with its spinning workers.
