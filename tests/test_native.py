@@ -8,7 +8,7 @@ import torch
 
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
-from glm5.infer.kernels import NativeExperts
+from glm5.infer.kernels import NativeExperts, NativeLinear
 from glm5.model.latent_attention import dense_latent_attention
 from glm5.model.moe import expert_loop, swiglu
 from glm5.native import NativeError, build, load
@@ -117,6 +117,8 @@ def test_engine_on_native_kernels_serves_the_same_tokens(kernels):
     experts = fast.model.model.layers[1].mlp.experts
     assert fast.runner.latent_kernel is not None and plain.runner.latent_kernel is None
     assert fast.runner.mla_kernel is not None and plain.runner.mla_kernel is None
+    attn = fast.model.model.layers[1].self_attn
+    assert type(attn.q_a_proj) is NativeLinear and type(attn.kv_b_proj) is torch.nn.Linear  # (read as a matrix)
     assert type(experts) is NativeExperts and type(plain.model.model.layers[1].mlp.experts) is not NativeExperts
     assert fast.model.state_dict().keys() == plain.model.state_dict().keys()
     assert _greedy(fast, prompts) == _greedy(plain, prompts)
@@ -227,3 +229,28 @@ def test_rope_kernel_equals_apply_rope(kernels):
             assert got.is_contiguous() and torch.allclose(got, apply_rope(x, c, s, interleave), atol=1e-6)
     with pytest.raises(ValueError, match="rope: unsupported"):
         kernels.rope(q[..., E:].double(), cos[:, :, None], sin[:, :, None], True)
+
+
+def test_linear_kernel_equals_f_linear_and_native_linear_falls_back(kernels):
+    """A few rows through an [in, out]-stored weight, with and without bias, odd widths, strided rows; the
+    module runs the kernel only for few rows and small weights (F.linear otherwise: same values)."""
+    import torch.nn.functional as F
+    from glm5.infer.kernels import LINEAR_MAX_ROWS, NativeLinear, use_native_kernels
+    g = torch.Generator().manual_seed(0)
+    for K, N in ((20, 13), (64, 48), (7, 3)):
+        w = torch.randn(N, K, generator=g).t().contiguous().t()  # [out, in] values, [in, out] storage
+        b = torch.randn(N, generator=g)
+        wide = torch.randn(4, K + 5, generator=g)
+        for x in (wide[:1, :K], wide[:, 2:K + 2], torch.randn(2, 3, K, generator=g)[:, :1]):
+            for bias in (None, b):
+                assert torch.allclose(kernels.linear(x, w, bias), F.linear(x, w, bias), atol=1e-5)
+    lin = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        lin.weight.data = lin.weight.data.t().contiguous().t()
+    model = torch.nn.Sequential(lin)
+    assert use_native_kernels(model, kernels) == 1 and type(model[0]) is NativeLinear
+    with torch.no_grad():
+        assert kernels.linear(torch.zeros(0, 16), lin.weight).shape == (0, 8)  # no rows: nothing written
+        for rows in (0, 1, LINEAR_MAX_ROWS, LINEAR_MAX_ROWS + 3):
+            x = torch.randn(rows, 16, generator=g)
+            assert torch.allclose(model(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)

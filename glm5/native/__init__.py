@@ -126,6 +126,9 @@ class NativeKernels:
         self.lib.glm5_rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, ctypes.c_float]
         self.lib.glm5_rms_norm.restype = None
         self._rms = self.lib.glm5_rms_norm
+        self.lib.glm5_linear.argtypes = [_P, _L, _I, _I, _P, _L, _I, _P, _P]
+        self.lib.glm5_linear.restype = None
+        self._linear = self.lib.glm5_linear
         self.lib.glm5_rope.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I]
         self.lib.glm5_rope.restype = None
         self._rope = self.lib.glm5_rope
@@ -214,6 +217,19 @@ class NativeKernels:
                                       bias.data_ptr(), lens.data_ptr(), R, scale, out.data_ptr(),
                                       threads or torch.get_num_threads())
         _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` for fp32 CPU x [..., in] with evenly spaced rows and a weight [out, in]
+        stored [in, out] row-major (the engine's CPU layout) -> a contiguous [..., out]. Meant for a few rows
+        (decode); the caller (`NativeLinear`) checked dtype, device and layout."""
+        N, K = weight.shape
+        ld = rows_stride(x)
+        if x.shape[-1] != K or ld is None or weight.stride() != (1, N):
+            raise ValueError(f"linear: x {list(x.shape)} / weight {list(weight.shape)} {weight.stride()} not supported")
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
+        self._linear(x.data_ptr(), ld, x.numel() // K, K, weight.data_ptr(), N, N,
+                     None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -58,8 +58,8 @@ static inline v8 exp8(v8 x) {
 #define K_CHUNK 64
 #define PREFETCH_ROWS 8 /* weight rows ahead of the one being read (four-row form) */
 
-/* f(args..., k) with k the compile-time constant min(n, 6) (n >= 1): kernels below unroll their loops over
- * a constant number of rows or heads. */
+/* f(args..., k) with k the compile-time constant min(n, 6); n must be >= 1 (n = 0 would run 6). Kernels
+ * below unroll their loops over a constant number of rows or heads. */
 #define UPTO6(n, f, ...)                        \
     switch ((n) < 6 ? (n) : 6) {                \
         case 1: f(__VA_ARGS__, 1); break;       \
@@ -172,6 +172,8 @@ static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, l
 /* Y[R, N] = X[R, K] @ W[K, N] (X rows ldx apart, W rows ldw apart, Y contiguous), in the regime R calls for
  * (see LIN_ROWS above): few rows (decode) are bound by reading W, many by arithmetic. */
 static void small_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
+    if (R <= 0)
+        return;
     if (R >= TILE_ROWS) {
         tiled_gemm(X, ldx, R, K, W, ldw, N, Y);
         return;
@@ -576,4 +578,18 @@ void glm5_rms_norm(const float *x, long ldx, const float *w, float *y, long N, i
         float rstd = 1.0f / sqrtf(ss / (float)D + eps);
         for (j = 0; j < D; j++) yr[j] = w[j] * (xr[j] * rstd);
     }
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Linear layer for a few rows                                                                           */
+
+/* y[R, N] = x[R, K] @ wt[K, N] (+ bias[N]) for the [in, out]-stored weight wt (rows ldw apart), x rows ldx
+ * apart, y contiguous: small_gemm's streaming regimes for decode-sized R (BLAS's GEMV reads a small weight
+ * at 6-12 GB/s here; one in-order stream at 14-17). */
+void glm5_linear(const float *x, long ldx, int R, int K, const float *wt, long ldw, int N, const float *bias,
+                 float *y) {
+    small_gemm(x, ldx, R, K, wt, ldw, N, y);
+    if (bias)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < N; j++) y[(long)r * N + j] += bias[j];
 }
