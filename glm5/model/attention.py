@@ -175,20 +175,15 @@ class MLAttention(nn.Module):
         # per-row kv_b_proj adapters (multi-LoRA) act on the absorbed path only (see glm5/infer/lora.py)
         expand = [meta.adapter_ids is None and self._expands(g, sel) for g, sel in zip(meta.groups, sels)]
         fused = self._fused_kv_b(meta)  # the kv_b_proj weight when meta.mla_kernel may run absorbed groups
-        if not any(expand) and fused is not None and all(sel is None for sel in sels):  # small decode steps, fused
-            o_heads = None  # [N, H, V]
-            for g in meta.groups:
-                og = meta.mla_kernel(_rows(g, q_nope), _rows(g, q_rope), fused, latent, g.key_slots, g.key_bias,
-                                     self.scale, g.key_lens)
-                o_heads = _place(o_heads, g, og, N)
-            return self.o_proj(o_heads.flatten(-2))[None], sels
-        if not any(expand):  # all absorbed (decode steps): W_uk once over the step, W_uv + o_proj once
+        if not any(expand) and (fused is None or any(sel is not None for sel in sels)):
+            # all absorbed (decode steps): W_uk once over the step, W_uv + o_proj once
             qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
             o_lat = None  # [N, H, R]
             for g, sel in zip(meta.groups, sels):
                 o_lat = _place(o_lat, g, self._attend_latent(g, _rows(g, qq), latent, sel, meta.latent_kernel), N)
             return self.latent_to_output(o_lat)[None], sels
-        o_heads = None  # [N, H, V]: expanded groups, and absorbed ones (W_uk / W_uv on their own rows only)
+        # [N, H, V]: expanded groups, fused ones (small steps) and other absorbed ones (W_uk / W_uv on their rows)
+        o_heads = None
         for g, sel, exp in zip(meta.groups, sels, expand):
             if exp:
                 og = self._attend_expanded(g, q_nope, q_rope, latent, sel)  # [B, T, H, V]
