@@ -145,14 +145,15 @@ class LLMEngine:
         if c.weight_layout == "transposed" or (c.weight_layout == "auto" and torch.device(c.device).type == "cpu"):
             transpose_weights(model)
         if self.kernels is not None:
-            use_native_kernels(model, self.kernels)  # routed experts (the attention kernel rides on the metadata)
+            use_native_kernels(model, self.kernels)  # module swaps (the attention kernels ride on the metadata)
         if c.huge_pages and torch.device(c.device).type == "cpu":
             rehome(model)  # after the layout change: the tensors served are the ones moved
         return model
 
     def _native_kernels(self) -> NativeKernels | None:
-        """`kernels`: the native CPU kernels (glm5/native) for the routed experts (module swap) and, with an
-        fp32 cache, the dense latent attention (handed to the model with each step's metadata)."""
+        """`kernels`: the native CPU kernels (glm5/native): routed experts, few-row linear layers and RMSNorm
+        by module swap; with an fp32 cache, the latent attention, the fused small-step MLA and the rotary
+        embedding, handed to the model with each step's metadata (`ModelRunner`)."""
         c = self.config
         if c.kernels == "torch":
             return None

@@ -4,9 +4,9 @@
 expert hot swap still land in them) whose inference forward calls the compiled kernel of glm5/native.
 Every other case (autograd, non-fp32, the native [out, in] layout) runs the inherited PyTorch forward, so
 the swap never changes what the model computes, only how fast. Measured on the bench's 64-expert
-checkpoint (7 MoE layers, 1 thread, `grouped_experts` time / kernel time): 2.0x for one token, 1.3x for 64
-decode rows, 1.3-1.6x for 256-2,048 prefill tokens (BLAS GEMMs plus the gather/scale/scatter around them vs
-one pass per expert).
+checkpoint (7 MoE layers, 1 thread, `grouped_experts` time / kernel time): 3.1x for one token, 1.9x for 8 and
+64 decode rows, 1.3-1.8x for 256-2,048 prefill tokens (BLAS GEMMs plus the gather/scale/scatter around them
+vs one pass per expert; docs/bench-engine.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ class NativeExperts(Experts):
 
     kernels: NativeKernels
 
-
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         gu, dn = self.gate_up_proj, self.down_proj
@@ -44,13 +43,12 @@ class NativeRMSNorm(RMSNorm):
 
     kernels: NativeKernels
 
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or rows_stride(x) is None
+        w, ld = self.weight, rows_stride(x)
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or ld is None
                 or type(w) is not nn.Parameter or w.dtype != torch.float32):
             return super().forward(x)
-        return self.kernels.rms_norm(x, w, self.eps)
+        return self.kernels.rms_norm(x, w, self.eps, ld)
 
 
 # NativeLinear runs the kernel for at most this many rows and weights up to this size: measured at 1 thread
@@ -68,12 +66,12 @@ class NativeLinear(nn.Linear):
     kernels: NativeKernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w, ld = self.weight, rows_stride(x)
         if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32
                 or not 0 < x.numel() <= LINEAR_MAX_ROWS * w.shape[1] or w.stride() != (1, w.shape[0])
-                or type(w) is not nn.Parameter or w.numel() * 4 > LINEAR_MAX_BYTES or rows_stride(x) is None):
+                or type(w) is not nn.Parameter or w.numel() * 4 > LINEAR_MAX_BYTES or ld is None):
             return super().forward(x)
-        return self.kernels.linear(x, w, self.bias)
+        return self.kernels.linear(x, w, self.bias, ld)
 
 
 def _swapped(cls: type, mod: nn.Module, kernels: NativeKernels, shared: tuple[str, ...]) -> nn.Module:

@@ -39,7 +39,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = "kernels.c"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])  # first that builds wins
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
+    "glm5_moe": ([_P, _L, _I, _P, _P, _I, _I, _I, _P, _L, _P, _L, _P, _I], _I),
+    "glm5_latent_decode": ([_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, _F, _P, _I], _I),
+    "glm5_mla_decode": ([_P, _L, _L, _P, _P, _I, _I, _I, _L, _L, _I, _P, _L, _P, _L, _P, _P, _I, _F, _P, _I], _I),
+    "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
+    "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
+    "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
+}
 
 
 class NativeError(RuntimeError):
@@ -115,23 +123,9 @@ class NativeKernels:
     def __init__(self, path: Path):
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        self.lib.glm5_moe.argtypes = [_P, _L, _I, _P, _P, _I, _I, _I, _P, _L, _P, _L, _P, _I]
-        self.lib.glm5_moe.restype = _I
-        self.lib.glm5_latent_decode.argtypes = [_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, ctypes.c_float,
-                                                _P, _I]
-        self.lib.glm5_latent_decode.restype = _I
-        self.lib.glm5_mla_decode.argtypes = [_P, _L, _L, _P, _P, _I, _I, _I, _L, _L, _I, _P, _L, _P, _L, _P, _P, _I,
-                                             ctypes.c_float, _P, _I]
-        self.lib.glm5_mla_decode.restype = _I
-        self.lib.glm5_rms_norm.argtypes = [_P, _L, _P, _P, _L, _I, ctypes.c_float]
-        self.lib.glm5_rms_norm.restype = None
-        self._rms = self.lib.glm5_rms_norm
-        self.lib.glm5_linear.argtypes = [_P, _L, _I, _I, _P, _L, _I, _P, _P]
-        self.lib.glm5_linear.restype = None
-        self._linear = self.lib.glm5_linear
-        self.lib.glm5_rope.argtypes = [_P, _L, _P, _P, _P, _L, _I, _I, _I]
-        self.lib.glm5_rope.restype = None
-        self._rope = self.lib.glm5_rope
+        for name, (args, result) in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = args, result
 
     def moe(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -156,7 +150,6 @@ class NativeKernels:
         _raise(rc, f"expert ids outside [0, {E})", f"more than 64 experts per token ({A})")
         return out
 
-
     def latent_decode(self, qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,
                       kv_rank: int, scale: float, key_lens: list[int] | None = None,
                       threads: int | None = None) -> torch.Tensor:
@@ -172,19 +165,13 @@ class NativeKernels:
         _check(bias, "bias", (B, T, S))
         if not 0 < kv_rank <= W:
             raise ValueError(f"kv_rank {kv_rank} must be in (0, {W}]")
-        slots = key_slots.to(torch.int64).contiguous()
-        if slots.shape != (B, S):
-            raise ValueError(f"key_slots: shape {list(slots.shape)} != {[B, S]}")
-        lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)
-        if lens.shape != (B,):
-            raise ValueError(f"key_lens: {lens.numel()} lengths for {B} sequences")
+        slots, lens = _keys(key_slots, key_lens, B)
         out = qq.new_empty(B, T, H, kv_rank)
         rc = self.lib.glm5_latent_decode(qq.data_ptr(), B, T, H, W, latent.data_ptr(), latent.shape[0],
                                          slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(), kv_rank, scale,
                                          out.data_ptr(), threads or torch.get_num_threads())
-        _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S))
         return out
-
 
     def mla_decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor,
                    key_slots: torch.Tensor, bias: torch.Tensor, scale: float, key_lens: list[int] | None = None,
@@ -207,28 +194,27 @@ class NativeKernels:
         qn = q_nope.reshape(B * T, H, E)  # a view when the rows are evenly spaced
         if qn.stride(-1) != 1:
             qn = qn.contiguous()
-        slots = key_slots.to(torch.int64).contiguous()
-        lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)
-        if slots.shape != (B, S) or lens.shape != (B,):
-            raise ValueError(f"key_slots {list(slots.shape)} / key_lens {list(lens.shape)} do not match {B} sequences")
+        slots, lens = _keys(key_slots, key_lens, B)
         out = q_rope.new_empty(B, T, H, V)
         rc = self.lib.glm5_mla_decode(qn.data_ptr(), qn.stride(0), qn.stride(1), q_rope.data_ptr(), kv_b.data_ptr(),
                                       E, V, P, B, T, H, latent.data_ptr(), latent.shape[0], slots.data_ptr(), S,
                                       bias.data_ptr(), lens.data_ptr(), R, scale, out.data_ptr(),
                                       threads or torch.get_num_threads())
-        _raise(rc, f"a key slot outside [0, {latent.shape[0]}) or a key length outside [0, {S}]")
+        _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S))
         return out
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`F.linear(x, weight, bias)` for fp32 CPU x [..., in] with evenly spaced rows and a weight [out, in]
-        stored [in, out] row-major (the engine's CPU layout) -> a contiguous [..., out]. Meant for a few rows
-        (decode); the caller (`NativeLinear`) checked dtype, device and layout."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               ld: int | None = None) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` for fp32 CPU x [..., in] with evenly spaced rows (`ld` apart: given by
+        a caller that already has `rows_stride(x)`) and a weight [out, in] stored [in, out] row-major (the
+        engine's CPU layout) -> a contiguous [..., out]. Meant for a few rows (decode); the caller
+        (`NativeLinear`) checked dtype and device."""
         N, K = weight.shape
-        ld = rows_stride(x)
+        ld = ld if ld is not None else rows_stride(x)
         if x.shape[-1] != K or ld is None or weight.stride() != (1, N):
             raise ValueError(f"linear: x {list(x.shape)} / weight {list(weight.shape)} {weight.stride()} not supported")
         out = torch.empty(*x.shape[:-1], N, dtype=x.dtype)
-        self._linear(x.data_ptr(), ld, x.numel() // K, K, weight.data_ptr(), N, N,
+        self.lib.glm5_linear(x.data_ptr(), ld, x.numel() // K, K, weight.data_ptr(), N, N,
                      None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 
@@ -244,23 +230,23 @@ class NativeKernels:
                 and N > 0 and x.numel() % (N * P) == 0 and ld is not None):
             raise ValueError(f"rope: unsupported x {list(x.shape)} {x.dtype} / cos {list(cos.shape)} {cos.dtype}")
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._rope(x.data_ptr(), ld, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), N, x.numel() // (N * P), P,
+        self.lib.glm5_rope(x.data_ptr(), ld, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), N, x.numel() // (N * P), P,
                    int(interleave))
         return out
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, ld: int | None = None) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU x whose rows are evenly spaced (contiguous, or a column
-        slice of a wider tensor) with an fp32 weight [D] (`RMSNorm`'s fp32 forward) -> a contiguous tensor.
-        Lean on purpose: called ~30 times per decode token; the caller (`NativeRMSNorm`) checked dtype and
-        device, and `rows_stride` the layout."""
+        slice of a wider tensor; `ld` apart when the caller already has `rows_stride(x)`) with an fp32
+        weight [D] (`RMSNorm`'s fp32 forward) -> a contiguous tensor. Lean on purpose: called ~30 times per
+        decode token; the caller (`NativeRMSNorm`) checked dtype and device."""
         D = weight.shape[0]
         if x.shape[-1] != D:
             raise ValueError(f"x's last dim {x.shape[-1]} != weight's {D}")
-        ld = rows_stride(x)
+        ld = ld if ld is not None else rows_stride(x)
         if ld is None:
             raise ValueError("x: rows must be evenly spaced with a contiguous last dim")
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._rms(x.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
+        self.lib.glm5_rms_norm(x.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
         return out
 
 
@@ -278,6 +264,19 @@ def rows_stride(x: torch.Tensor) -> int | None:
             return None
     ld = lead[-1][1]
     return ld if ld >= x.shape[-1] else None
+
+
+_KEYS_REFUSED = "a key slot outside [0, {rows}) or a key length outside [0, {S}]"
+
+
+def _keys(key_slots: torch.Tensor, key_lens: list[int] | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernels' key tables: slots [B, S] int64 contiguous, lens [B] int64 (None: S each)."""
+    S = key_slots.shape[1]
+    slots = key_slots.to(torch.int64).contiguous()
+    lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)
+    if slots.shape != (B, S) or lens.shape != (B,):
+        raise ValueError(f"key_slots {list(slots.shape)} / key_lens {list(lens.shape)} do not match {B} sequences")
+    return slots, lens
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple, inner: bool = False) -> None:
