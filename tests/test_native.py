@@ -174,15 +174,19 @@ def test_build_reports_compiler_errors(tmp_path):
 
 
 def test_huge_page_rehome_keeps_values_layout_and_serving():
-    from glm5.infer.hugepages import HUGE, available, huge_like, rehome
+    from glm5.infer.hugepages import HUGE, available, huge_empty, rehome
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(700, 1500, generator=g).t()  # a transposed [in, out] weight, 4.2 MB
-    h = huge_like(w)
-    assert torch.equal(h, w) and h.stride() == w.stride() and h.data_ptr() != w.data_ptr()
     if available():
-        assert h.data_ptr() % HUGE == 0
-    with pytest.raises(ValueError, match="not a dense tensor"):
-        huge_like(torch.randn(10, 10)[:, :5])
+        assert huge_empty(1 << 20, torch.float32).data_ptr() % HUGE == 0
+    w = torch.randn(700, 1500, generator=g).t()  # a transposed [in, out] weight, 4.2 MB
+    mod = torch.nn.Module()
+    mod.w = torch.nn.Parameter(w.clone())
+    big = torch.randn(300, 300, generator=g)
+    mod.part = torch.nn.Parameter(big[:, :200])  # not dense (a column slice of a larger tensor): left in place
+    ptr, part_ptr = mod.w.data_ptr(), mod.part.data_ptr()
+    assert rehome(mod) == (1 if available() else 0)
+    assert torch.equal(mod.w, w) and mod.w.stride() == w.stride() and mod.part.data_ptr() == part_ptr
+    assert (mod.w.data_ptr() != ptr) == available()
     opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_model_len=48, kernels="torch")
     model = tiny_model(seed=2, vocab_size=8192)  # a 2 MiB embedding and head: moved
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -67,15 +67,6 @@ def huge_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return flat[skip:skip + nbytes].view(dtype)
 
 
-def huge_like(t: torch.Tensor) -> torch.Tensor:
-    """t's values in huge-page memory with t's shape and strides (t must be dense: contiguous or a
-    permutation of a contiguous tensor, as the engine's weight layouts are)."""
-    if not _dense(t):
-        raise ValueError(f"not a dense tensor: shape {list(t.shape)}, strides {list(t.stride())}")
-    flat = huge_empty(t.numel(), t.dtype)
-    return flat.as_strided(t.shape, t.stride()).copy_(t)
-
-
 def rehome(module: nn.Module, min_bytes: int = 1 << 16) -> int:
     """Move the module's CPU parameters and buffers of at least `min_bytes` into huge-page memory: one
     arena holding them all back to back (64-byte aligned), so that the many sub-2 MiB projection
