@@ -122,14 +122,19 @@ def test_engine_on_native_kernels_serves_the_same_tokens(kernels):
     assert type(experts) is NativeExperts and type(plain.model.model.layers[1].mlp.experts) is not NativeExperts
     assert fast.model.state_dict().keys() == plain.model.state_dict().keys()
     assert _greedy(fast, prompts) == _greedy(plain, prompts)
-    fused, calls = fast.runner.mla_kernel, []
+    layer_kernel, fused, calls, whole = fast.runner.layer_kernel, fast.runner.mla_kernel, [], []
     fast.runner.mla_kernel = lambda *a: calls.append(a[0].shape) or fused(*a)  # count the fused MLA calls
+    fast.runner.layer_kernel = lambda *a: (lambda r: whole.append(r is not None) or r)(layer_kernel(*a))
     for p in prompts:  # the same logits, prefill and decode steps included
         ids = torch.tensor([p + [5, 6]])
         with torch.no_grad():
             ref = plain.model(ids).logits
         assert torch.allclose(_logits(fast, p + [5, 6]), ref[0, -3:], atol=1e-4)
-    assert calls  # the one-token decode steps ran the fused kernel
+        fast.runner.layer_kernel = None  # the same without the whole-layer kernel: the fused MLA call runs
+        assert torch.allclose(_logits(fast, p + [5, 6]), ref[0, -3:], atol=1e-4)
+        fast.runner.layer_kernel = lambda *a: (lambda r: whole.append(r is not None) or r)(layer_kernel(*a))
+    assert calls  # the one-token decode steps ran the fused MLA kernel without the layer kernel ...
+    assert any(whole) and not all(whole)  # ... and the whole-layer kernel with it (prefill: the modules)
     update = {(1, 3): {"gate_proj": torch.randn(32, 64, generator=gen), "up_proj": torch.randn(32, 64, generator=gen),
                        "down_proj": torch.randn(64, 32, generator=gen)}}
     plain.swap_experts(update)
@@ -258,3 +263,87 @@ def test_linear_kernel_equals_f_linear_and_native_linear_falls_back(kernels):
         for rows in (0, 1, LINEAR_MAX_ROWS, LINEAR_MAX_ROWS + 3):
             x = torch.randn(rows, 16, generator=g)
             assert torch.allclose(model(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+def _paged(engine, chunks, layer_kernel):
+    """One paged forward of `chunks` (SeqChunk list) with or without the whole-layer kernel -> ModelOutput."""
+    runner = engine.runner
+    runner.layer_kernel = layer_kernel
+    tok, meta = runner.metadata(chunks)
+    with torch.no_grad():
+        return engine.model(tok[None], attn_metadata=meta, kv_cache=runner.cache)
+
+
+@pytest.mark.parametrize("opts", [
+    {},
+    dict(scoring_func="softmax", norm_topk_prob=False, router_temperature=0.7, attention_bias=True),
+    dict(n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=2),
+    dict(rope_interleave=False, indexer_rope_interleave=False, routed_scaling_factor=1.0),
+])
+def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts):
+    """`NativeLayerKernel` (a whole decoder layer per call) == the layer's own (native-swapped) modules on
+    decode steps of one and two rows (two sequences, or one sequence's two-token chunk): logits, the cache
+    rows written (latent and indexer key), router stats; options: softmax scores, no renormalisation, router
+    temperature, attention biases, group-limited routing with a correction bias, several shared experts,
+    half-split RoPE."""
+    from glm5.infer.input_batch import SeqChunk
+    engines = []
+    for _ in range(2):
+        m = tiny_model(seed=3, bias_std=0.05 if opts.get("n_group") else 0.0, **opts)
+        if opts.get("attention_bias"):
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if name.endswith(".bias") and "norm" not in name:
+                        p.normal_(0, 0.1)
+        engines.append(LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=32,
+                                              max_model_len=120, kernels="native"), model=m))
+    fast, plain = engines
+    lk = fast.runner.layer_kernel
+    ran = []
+    counted = lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a))  # noqa: E731
+    assert fast.runner.cache.index_k[1] is not None  # max_model_len > index_topk: indexer keys are cached
+    gen = torch.Generator().manual_seed(1)
+    seqs = {"a": torch.randint(2, 500, (13,), generator=gen).tolist(), "b": torch.randint(2, 500, (6,), generator=gen).tolist()}
+    blocks = {"a": list(range(0, 8)), "b": list(range(8, 16))}
+    steps = [[("a", 0, 11), ("b", 0, 5)], [("a", 11, 12), ("b", 5, 6)], [("a", 12, 13)]]  # prefill, 2 rows, 1 row
+    seqs["b"] += [7]
+    steps += [[("b", 6, 7)]]
+    seqs["a"] += [9, 10]
+    steps += [[("a", 13, 15)]]  # one sequence, a two-token chunk
+    for step in steps:
+        chunks = [SeqChunk(r, s, seqs[r][s:e], blocks[r]) for r, s, e in step]
+        n = len(ran)
+        got, ref = _paged(fast, chunks, counted), _paged(plain, chunks, None)
+        assert (len(ran) > n and all(ran[n:])) == (step[0][1] > 0)  # decode steps run the kernel, prefill not
+        assert torch.allclose(got.logits, ref.logits, atol=1e-5, rtol=1e-4)
+        for st, rs in zip(got.router_stats, ref.router_stats, strict=True):
+            assert torch.equal(st["tokens_per_expert"], rs["tokens_per_expert"])
+            assert torch.equal(st["topk_idx"].sort(-1).values, rs["topk_idx"].sort(-1).values)
+            assert torch.allclose(st["router_logits"], rs["router_logits"], atol=1e-5)
+            assert torch.allclose(st["scores"], rs["scores"], atol=1e-6)
+    for a, b in zip(fast.runner.cache.latent + fast.runner.cache.index_k, plain.runner.cache.latent + plain.runner.cache.index_k):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-5))
+
+
+def test_decode_layer_kernel_steps_aside(kernels):
+    """Where the whole-layer kernel does not apply it returns None and the layer's modules run: a top-k
+    selection needed (context past index_topk), a capacity factor, soft MoE, per-row adapters, training."""
+    from glm5.infer.input_batch import SeqChunk
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=40, max_model_len=150, kernels="native")
+    for kw, expect in [({}, True), (dict(index_topk=8), False), (dict(moe_capacity_factor=1.5), False),
+                       (dict(moe_type="soft"), False)]:
+        eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4, **kw))
+        lk, ran = eng.runner.layer_kernel, []
+        ids = list(range(3, 23))
+        _paged(eng, [SeqChunk("s", 0, ids[:-1], list(range(8)))], lk)
+        _paged(eng, [SeqChunk("s", len(ids) - 1, ids[-1:], list(range(8)))],
+               lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))
+        assert ran and all(ran) == expect and any(ran) == expect, kw
+    layer = eng.model.model.layers[1]
+    from glm5.infer.kernels import layer_spec
+    assert layer_spec(layer, True) is None  # soft MoE
+    eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4))
+    layer = eng.model.model.layers[1]
+    assert layer_spec(layer, True) is not None
+    layer.train()
+    assert layer_spec(layer, True) is None

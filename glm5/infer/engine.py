@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
 from .faults import FaultTracker, is_fatal, run_each
 from .hugepages import rehome
-from .kernels import use_native_kernels
+from .kernels import NativeLayerKernel, use_native_kernels
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .layout import transpose_weights
 from .lora import LoRAManager
@@ -120,7 +120,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device, cache_dtype=cache_dtype,
                                   latent_kernel=native.latent_decode if native else None,
                                   mla_kernel=native.mla_decode if native else None,
-                                  rope_kernel=native.rope if native else None)
+                                  rope_kernel=native.rope if native else None,
+                                  layer_kernel=NativeLayerKernel(native) if native else None)
         # tokens routed to each expert of each MoE layer since start (device tensor, one add per layer/step)
         self._expert_tokens = torch.zeros(self.model_config.num_hidden_layers, self.model_config.n_routed_experts,
                                           dtype=torch.long, device=self.config.device)
@@ -362,8 +363,9 @@ class LLMEngine:
         if out.is_empty():
             return []
         result, failed = self._run(out)
-        for st in result.router_stats:  # per-layer expert load (seed M2: observable while serving)
-            self._expert_tokens[st["layer"]] += st["tokens_per_expert"]
+        if result.router_stats:  # per-layer expert load (seed M2: observable while serving), one add per step
+            layers = torch.tensor([st["layer"] for st in result.router_stats], device=self._expert_tokens.device)
+            self._expert_tokens.index_add_(0, layers, torch.stack([st["tokens_per_expert"] for st in result.router_stats]))
         for s in out.scheduled:
             entries = result.prompt_logprobs.get(s.request_id)
             if entries is not None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm5.model.layers import RMSNorm
-from glm5.model.moe import Experts
-from glm5.native import NativeKernels, rows_stride
+from glm5.model.attention import FUSED_MLA_MAX_ROWS
+from glm5.model.layers import RMSNorm, SwiGLU
+from glm5.model.moe import Experts, MoE, Router
+from glm5.model.paged import AttnGroup, PagedContext
+from glm5.native import LayerSpec, NativeKernels, rows_stride
 
 from .layout import is_transposed
 
@@ -104,3 +106,140 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
                                                ("in_features", "out_features", "weight", "bias")))
                 n += 1
     return n
+
+
+class NativeLayerKernel:
+    """The model's `LayerKernel` (glm5.model.paged) on `NativeKernels.decode_layer`: a whole decoder layer in
+    one native call for decode steps of at most FUSED_MLA_MAX_ROWS tokens in one identity group whose
+    attention attends every key (no top-k selection yet). It applies when the layer is exactly the plain
+    served form: native-swapped norms / linear layers / experts in fp32 with [in, out]-stored weights, a
+    plain kv_b_proj, a top-k MoE (sigmoid or softmax scores, group-limited or not) without a capacity
+    factor, no per-row adapters, no requests pinned to an older expert version, fp32 caches. Otherwise it
+    returns None and the layer runs its own modules (the same values; tests/test_native.py compares the
+    two). Per decode token it replaces ~100 PyTorch ops per layer with one call."""
+
+    def __init__(self, kernels: NativeKernels):
+        self.kernels = kernels
+        self._keys: tuple[AttnGroup, torch.Tensor, torch.Tensor] | None = None  # the step's key table
+
+    def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ctx: PagedContext) -> tuple[torch.Tensor, list, dict | None] | None:
+        meta, cache = ctx.meta, ctx.cache
+        N = meta.num_tokens
+        if (N > FUSED_MLA_MAX_ROWS or len(meta.groups) != 1 or meta.adapter_ids is not None
+                or meta.pinned_rows is not None or torch.is_grad_enabled() or x.dtype != torch.float32
+                or x.device.type != "cpu" or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())):
+            return None
+        g = meta.groups[0]
+        att = layer.self_attn
+        if not g.is_identity or att.needs_selection(g.num_keys):
+            return None
+        lat, ik = cache.latent[layer.layer_idx], cache.index_k[layer.layer_idx]
+        if att.indexer is None:
+            ik = None
+        if lat.dtype != torch.float32 or (ik is not None and ik.dtype != torch.float32):
+            return None
+        spec = layer_spec(layer, ik is not None)
+        if spec is None or meta.slot_mapping.dtype != torch.int64:
+            return None
+        if self._keys is None or self._keys[0] is not g:
+            self._keys = (g, g.key_slots.to(torch.int64).contiguous(),
+                          torch.tensor(g.key_lens or [g.num_keys] * g.key_slots.shape[0], dtype=torch.int64))
+        _, slots, lens = self._keys
+        out, stats, idx, counts = self.kernels.decode_layer(
+            spec, x.view(N, -1), cos.view(N, -1), sin.view(N, -1), meta.slot_mapping, lat, ik, slots, g.key_bias,
+            lens, g.q_index.shape[1])
+        sels = [None]
+        if stats is None:
+            return out.view(1, N, -1), sels, None
+        return out.view(1, N, -1), sels, {"router_logits": stats[:, 0], "scores": stats[:, 1], "topk_idx": idx,
+                                          "tokens_per_expert": counts, "dropped_tokens": 0}
+
+
+def _f32(t: torch.Tensor | None, shape: tuple[int, ...] | None = None) -> bool:
+    return (t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            and (shape is None or tuple(t.shape) == shape))
+
+
+def _lin(mod: nn.Module, n_in: int, n_out: int) -> tuple[int, int | None] | None:
+    """(weight pointer, bias pointer or None) of a `NativeLinear` [n_out, n_in] stored [in, out] in fp32."""
+    if type(mod) is not NativeLinear:
+        return None
+    w, b = mod.weight, mod.bias
+    if (type(w) is not nn.Parameter or w.dtype != torch.float32 or tuple(w.shape) != (n_out, n_in)
+            or w.stride() != (1, n_out) or (b is not None and not _f32(b, (n_out,)))):
+        return None
+    return w.data_ptr(), None if b is None else b.data_ptr()
+
+
+def _norm(mod: nn.Module, dim: int) -> tuple[int, float] | None:
+    if type(mod) is not NativeRMSNorm or type(mod.weight) is not nn.Parameter or not _f32(mod.weight, (dim,)):
+        return None
+    return mod.weight.data_ptr(), float(mod.eps)
+
+
+def layer_spec(layer: nn.Module, index_key: bool) -> LayerSpec | None:
+    """The decode-layer kernel's spec for `layer` (pointers into its current weights), or None when the
+    layer is not in the kernel's plain served form (see NativeLayerKernel). index_key: compute and cache
+    the indexer key."""
+    att, mlp = layer.self_attn, layer.mlp
+    cfg = att.cfg
+    if att.training or cfg.moe_type != "topk" or cfg.moe_capacity_factor is not None:
+        return None
+    D, QR, H = cfg.hidden_size, cfg.q_lora_rank, att.n_heads
+    E, P, V, R = att.nope, att.rope, att.v_dim, att.kv_rank
+    kvb = att.kv_b_proj
+    if (type(kvb) is not nn.Linear or nn.utils.parametrize.is_parametrized(kvb) or type(kvb.weight) is not nn.Parameter
+            or not _f32(kvb.weight, (H * (E + V), R)) or not QR):
+        return None
+    parts = [_norm(layer.input_layernorm, D), _lin(att.q_a_proj, D, QR), _norm(att.q_a_layernorm, QR),
+             _lin(att.q_b_proj, QR, H * (E + P)), _lin(att.kv_a_proj_with_mqa, D, R + P), _norm(att.kv_a_layernorm, R),
+             _lin(att.o_proj, H * V, D), _norm(layer.post_attention_layernorm, D)]
+    if any(p is None for p in parts):
+        return None
+    (ln_in, eps_in), (wqa, bqa), (ln_q, eps_q), (wqb, _), (wkva, bkva), (ln_kv, eps_kv), (wo, bo), (ln_post, eps_post) = parts
+    s = LayerSpec(D=D, QR=QR, H=H, E=E, P=P, V=V, R=R, rope_interleave=int(cfg.rope_interleave), eps_in=eps_in,
+                  eps_q=eps_q, eps_kv=eps_kv, eps_post=eps_post, scale=att.scale, ln_in=ln_in, wqa=wqa, bqa=bqa,
+                  ln_q=ln_q, wqb=wqb, wkva=wkva, bkva=bkva, ln_kv=ln_kv, kvb=kvb.weight.data_ptr(), wo=wo, bo=bo,
+                  ln_post=ln_post)
+    if index_key:
+        ix = att.indexer
+        wk, kn = _lin(ix.wk, D, ix.head_dim), ix.k_norm
+        if (wk is None or type(kn) is not nn.LayerNorm or not _f32(kn.weight, (ix.head_dim,))
+                or not _f32(kn.bias, (ix.head_dim,)) or ix.rope_dim % 2 or ix.rope_dim > ix.head_dim):
+            return None
+        s.ID, s.IP, s.index_interleave, s.wk = ix.head_dim, ix.rope_dim, int(ix.rope_interleave), wk[0]
+        s.ik_w, s.ik_b, s.eps_ik = kn.weight.data_ptr(), kn.bias.data_ptr(), float(kn.eps)
+    if isinstance(mlp, MoE):
+        gate, ex, sh = mlp.gate, mlp.experts, mlp.shared_experts
+        NE, A, EI = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        if (mlp.use_reference or type(gate) is not Router or type(ex) is not NativeExperts or type(sh) is not SwiGLU
+                or not _f32(gate.weight, (NE, D)) or not _f32(gate.e_score_correction_bias, (NE,))
+                or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64 or NE % max(cfg.n_group, 1)):
+            return None
+        gu, dn = ex.gate_up_proj, ex.down_proj
+        if not (gu.dtype == dn.dtype == torch.float32 and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI)
+                and is_transposed(gu) and is_transposed(dn)):
+            return None
+        SI = sh.gate_proj.out_features
+        if SI:
+            ffn = [_lin(sh.gate_proj, D, SI), _lin(sh.up_proj, D, SI), _lin(sh.down_proj, SI, D)]
+            if any(f is None or f[1] is not None for f in ffn):
+                return None
+            s.wg, s.wu, s.wd = (f[0] for f in ffn)
+        s.NE, s.A, s.EI, s.SI = NE, A, EI, SI
+        s.n_group, s.topk_group = cfg.n_group, cfg.topk_group
+        s.softmax_scores, s.norm_topk = int(cfg.scoring_func == "softmax"), int(cfg.norm_topk_prob)
+        s.temperature, s.scaling = cfg.router_temperature, cfg.routed_scaling_factor
+        s.wr, s.rbias = gate.weight.data_ptr(), gate.e_score_correction_bias.data_ptr()
+        s.gu, s.dn, s.gu_es, s.dn_es = gu.data_ptr(), dn.data_ptr(), gu.stride(0), dn.stride(0)
+    elif type(mlp) is SwiGLU:
+        FI = mlp.gate_proj.out_features
+        ffn = [_lin(mlp.gate_proj, D, FI), _lin(mlp.up_proj, D, FI), _lin(mlp.down_proj, FI, D)]
+        if not FI or any(f is None or f[1] is not None for f in ffn):
+            return None
+        s.FI = FI
+        s.wg, s.wu, s.wd = (f[0] for f in ffn)
+    else:
+        return None
+    return s

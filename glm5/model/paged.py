@@ -21,7 +21,8 @@ Extension points, so later features extend this dataclass instead of forking the
 Attention backend: `latent_kernel`, when set, replaces `dense_latent_attention` for absorbed groups
 without a top-k selection, and `mla_kernel` the whole absorbed path of such a group (W_uk, attention, W_uv)
 where kv_b_proj is a plain weight and no per-row adapters are active (the engine sets the native CPU
-kernels, glm5/native, for fp32 caches).
+kernels, glm5/native, for fp32 caches). `layer_kernel`, when set, is offered each decoder layer first and may
+run the whole layer (it returns None where it does not apply, and the layer runs its own modules).
 
 Expert hot swap (engine): `pinned_rows` marks tokens of requests started before the latest swap; the
 MoE layers run those tokens' assignments to swapped experts on `expert_shadow`'s weights.
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from .kv_cache import LatentKVCache
 from .latent_attention import LatentKernel, MLAKernel
@@ -77,6 +80,16 @@ class ExpertShadow:
     experts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]  # layer -> e -> (gate_up [2I, H], down [H, I])
 
 
+class LayerKernel(Protocol):
+    """Runs one decoder layer (`glm5.model.model.DecoderLayer`) over a paged step in one go when it can,
+    with the layer's contract: x [1, N, hidden] -> (out [1, N, hidden], per-group selections, router stats
+    or None); None when it does not apply (the layer then runs its own modules). The native CPU kernel
+    (glm5/infer/kernels.py) implements it for decode steps of a few rows."""
+
+    def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ctx: "PagedContext") -> tuple[torch.Tensor, list, dict | None] | None: ...
+
+
 @dataclass
 class AttnMetadata:
     positions: torch.Tensor  # [N] RoPE positions
@@ -91,6 +104,7 @@ class AttnMetadata:
     latent_kernel: LatentKernel | None = None  # runs the dense absorbed attention instead of the PyTorch one
     mla_kernel: MLAKernel | None = None  # ... or the whole absorbed path (W_uk, attention, W_uv) in one call
     rope_kernel: RopeKernel | None = None  # rotates the attention's q / k instead of `apply_rope`
+    layer_kernel: LayerKernel | None = None  # ... or runs whole decoder layers (see LayerKernel)
 
     @property
     def num_tokens(self) -> int:

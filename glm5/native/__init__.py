@@ -47,7 +47,22 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
     "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
+    "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, _I], _I),
 }
+
+
+class LayerSpec(ctypes.Structure):
+    """kernels.c's `layer_t`: one decoder layer's sizes, options and weight pointers for
+    `NativeKernels.decode_layer` (filled by glm5.infer.kernels.NativeLayerKernel)."""
+
+    _fields_ = ([(n, _I) for n in ("D", "QR", "H", "E", "P", "V", "R", "ID", "IP", "rope_interleave",
+                                   "index_interleave", "FI", "NE", "A", "EI", "SI", "n_group", "topk_group",
+                                   "softmax_scores", "norm_topk")]
+                + [(n, _F) for n in ("eps_in", "eps_q", "eps_kv", "eps_post", "eps_ik", "temperature", "scaling",
+                                     "scale")]
+                + [(n, _P) for n in ("ln_in", "wqa", "bqa", "ln_q", "wqb", "wkva", "bkva", "ln_kv", "kvb", "wo", "bo",
+                                     "wk", "ik_w", "ik_b", "ln_post", "wg", "wu", "wd", "wr", "rbias", "gu", "dn")]
+                + [("gu_es", _L), ("dn_es", _L)])
 
 
 class NativeError(RuntimeError):
@@ -248,6 +263,35 @@ class NativeKernels:
         out = torch.empty(x.shape, dtype=x.dtype)
         self.lib.glm5_rms_norm(x.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
         return out
+
+    def decode_layer(self, spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slot_mapping: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor | None,
+                     key_slots: torch.Tensor, bias: torch.Tensor, lens: torch.Tensor, T: int,
+                     threads: int | None = None):
+        """A whole decoder layer (`DecoderLayer.forward` over a paged step whose attention needs no key
+        selection) for the N rows of x [N, D] (items b * T + t of B = N / T sequences): cos / sin [N, P/2]
+        the rows' RoPE angles; this step's cache rows written to latent [rows, R+P] (and index_k [rows, ID]
+        when the spec has an indexer key) at slot_mapping [N]; attention over key_slots [B, S] / bias
+        [B, T, S] / lens [B] (int64; see `latent_decode`). The caller (NativeLayerKernel) built `spec` from
+        the layer and checked dtypes, layouts and shapes; the kernel checks the slots. -> (out [N, D],
+        stats [N, 2, NE] router logits / scores, idx [N, A], counts [NE]) for a MoE layer, else
+        (out, None, None, None)."""
+        N = x.shape[0]
+        S = key_slots.shape[1]
+        out = torch.empty_like(x)
+        moe = spec.NE > 0
+        stats = torch.empty(N, 2, spec.NE) if moe else None
+        idx = torch.empty(N, spec.A, dtype=torch.int64) if moe else None
+        counts = torch.zeros(spec.NE, dtype=torch.int64) if moe else None
+        rc = self.lib.glm5_decode_layer(ctypes.byref(spec), x.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
+                                        slot_mapping.data_ptr(), latent.data_ptr(), latent.shape[0],
+                                        None if index_k is None else index_k.data_ptr(), N // T, T,
+                                        key_slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                                        None if stats is None else stats.data_ptr(),
+                                        None if idx is None else idx.data_ptr(),
+                                        None if counts is None else counts.data_ptr(), threads or torch.get_num_threads())
+        _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S), f"more than 1024 experts or 64 per token")
+        return out, stats, idx, counts
 
 
 def rows_stride(x: torch.Tensor) -> int | None:

@@ -593,3 +593,177 @@ void glm5_linear(const float *x, long ldx, int R, int K, const float *wt, long l
         for (int r = 0; r < R; r++)
             for (int j = 0; j < N; j++) y[(long)r * N + j] += bias[j];
 }
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* One decoder layer for a decode step of a few rows                                                    */
+
+/* The weights and options of one decoder layer (glm5.model.model.DecoderLayer). Linear weights are the
+ * [in, out]-stored matrices of the engine's CPU layout (glm5/infer/layout.py) and the biases may be NULL;
+ * kvb is kv_b_proj's weight [H*(E+V), R] as the model keeps it, wr the router's [NE, D]. */
+typedef struct {
+    int D, QR, H, E, P, V, R;       /* hidden, q_lora_rank, heads, nope / rope / value head dims, kv_lora_rank */
+    int ID, IP;                     /* indexer key width (0: no indexer key is cached) and its rotated part */
+    int rope_interleave, index_interleave;
+    int FI;                         /* dense SwiGLU width (a dense layer), else 0 */
+    int NE, A, EI, SI;              /* routed experts, per token, their width, the shared experts' width */
+    int n_group, topk_group, softmax_scores, norm_topk;
+    float eps_in, eps_q, eps_kv, eps_post, eps_ik, temperature, scaling, scale;
+    const float *ln_in, *wqa, *bqa, *ln_q, *wqb, *wkva, *bkva, *ln_kv, *kvb, *wo, *bo;
+    const float *wk, *ik_w, *ik_b, *ln_post;
+    const float *wg, *wu, *wd;      /* the dense SwiGLU, or the shared expert(s) */
+    const float *wr, *rbias;        /* router weight, selection-only correction bias */
+    const float *gu, *dn;           /* routed experts: gate_up [NE][D, 2EI], down [NE][EI, D] */
+    long gu_es, dn_es;
+} layer_t;
+
+static void lin(const float *x, int R, int K, const float *wt, int N, const float *bias, float *y) {
+    glm5_linear(x, K, R, K, wt, N, N, bias, y);
+}
+
+/* SwiGLU down(silu(x wg) * (x wu)) for R rows into y [R, D]; buf holds 2 * R * F floats. */
+static void swiglu_rows(const float *x, int R, int D, int F, const float *wg, const float *wu, const float *wd,
+                        float *buf, float *y) {
+    float *g = buf, *u = buf + (long)R * F;
+    lin(x, R, D, wg, F, NULL, g);
+    lin(x, R, D, wu, F, NULL, u);
+    for (long i = 0; i < (long)R * F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    lin(g, R, F, wd, D, NULL, y);
+}
+
+/* The router of one token: logits / scores [NE] out, the A chosen experts and their weights
+ * (glm5.model.moe.Router: fp32 logits, sigmoid or softmax scores, the correction bias for the choice
+ * only, group-limited choice when n_group > 1, weights renormalised and scaled). */
+static void route(const layer_t *L, const float *x, float *logits, float *scores, int64_t *idx, float *w) {
+    const int NE = L->NE, A = L->A;
+    float choice[1024];
+    for (int e = 0; e < NE; e++) logits[e] = dot(x, L->wr + (long)e * L->D, L->D) / L->temperature;
+    if (L->softmax_scores) {
+        float mx = -INFINITY, z = 0;
+        for (int e = 0; e < NE; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int e = 0; e < NE; e++) z += (scores[e] = expf(logits[e] - mx));
+        for (int e = 0; e < NE; e++) scores[e] /= z;
+    } else {
+        for (int e = 0; e < NE; e++) scores[e] = 1.0f / (1.0f + expf(-logits[e]));
+    }
+    for (int e = 0; e < NE; e++) choice[e] = scores[e] + L->rbias[e];
+    if (L->n_group > 1) { /* keep the topk_group groups with the best sums of their two best choices */
+        int G = L->n_group, per = NE / G;
+        float gs[1024];
+        int keep[1024];
+        for (int g = 0; g < G; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int j = 0; j < per; j++) {
+                float c = choice[g * per + j];
+                if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) b2 = c;
+            }
+            gs[g] = b1 + b2;
+            keep[g] = 0;
+        }
+        for (int k = 0; k < L->topk_group; k++) {
+            int best = -1;
+            for (int g = 0; g < G; g++)
+                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int e = 0; e < NE; e++)
+            if (!keep[e / per]) choice[e] = -INFINITY;
+    }
+    float sum = 0;
+    for (int k = 0; k < A; k++) {
+        int best = -1;
+        for (int e = 0; e < NE; e++)
+            if (best < 0 || choice[e] > choice[best]) best = e;
+        idx[k] = best;
+        choice[best] = -INFINITY;
+        w[k] = scores[best];
+        sum += w[k];
+    }
+    for (int k = 0; k < A; k++) w[k] = (L->norm_topk ? w[k] / (sum + 1e-20f) : w[k]) * L->scaling;
+}
+
+/* x [N, D] -> out [N, D]: the whole decoder layer for N query rows (items b * T + t of B sequences x T) over
+ * their sequences' cached keys, as DecoderLayer.forward with a paged context computes it when every key
+ * is attended (no top-k selection): input RMSNorm; q_a -> RMSNorm -> q_b, RoPE on the rope part; kv_a ->
+ * RMSNorm on the latent, RoPE on the rope key, both written to latent row slot[n] (lat [rows, R+P]); the
+ * indexer key (wk -> LayerNorm -> RoPE on its first IP values) written to ik[slot[n]] when ID > 0;
+ * absorbed MLA over the keys (as glm5_mla_decode); o_proj; residual; post-attention RMSNorm; the dense
+ * SwiGLU or the MoE (router, routed experts as glm5_moe, shared expert); residual. cs / sn [N, P/2] are
+ * the rows' RoPE angles. MoE layers also return each row's router logits and scores (stats [N, 2, NE]),
+ * chosen experts idx [N, A], and add one per assignment to counts [NE]. Returns as glm5_latent_decode;
+ * 3 for more than 1024 experts or 64 per token. */
+int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs, const float *sn,
+                      const int64_t *slot, float *lat, long rows, float *ik, long B, long T, const int64_t *slots,
+                      long S, const float *bias, const int64_t *lens, float *out, float *stats, int64_t *idx,
+                      int64_t *counts, int threads) {
+    const int D = L->D, H = L->H, E = L->E, P = L->P, R = L->R, V = L->V, W = R + P, QW = E + P;
+    if (L->NE > 1024 || L->A > 64) return 3;
+    if (B * T != N) return 2;
+    for (long n = 0; n < N; n++)
+        if (slot[n] < 0 || slot[n] >= rows) return 2;
+    long F = L->FI > L->SI ? L->FI : L->SI;
+    long need = N * ((long)D * 3 + L->QR + (long)H * QW + (long)H * P + W + (L->ID > 0 ? L->ID : 0) + (long)H * V
+                     + 2 * F + (L->NE ? L->A : 0));
+    float *buf = malloc(sizeof(float) * (need ? need : 1));
+    if (!buf) return 1;
+    float *xn = buf, *h = xn + N * D, *m = h + N * D, *qa = m + N * D, *q = qa + N * L->QR;
+    float *qr = q + N * H * QW, *kva = qr + N * H * P, *kk = kva + N * W, *o = kk + N * (L->ID > 0 ? L->ID : 0);
+    float *fb = o + N * H * V, *rw = fb + 2 * N * F;
+    int half = P / 2;
+    /* attention inputs, this step's cache rows */
+    glm5_rms_norm(x, D, L->ln_in, xn, N, D, L->eps_in);
+    lin(xn, (int)N, D, L->wqa, L->QR, L->bqa, qa);
+    glm5_rms_norm(qa, L->QR, L->ln_q, qa, N, L->QR, L->eps_q);
+    lin(qa, (int)N, L->QR, L->wqb, H * QW, NULL, q);
+    glm5_rope(q + E, QW, cs, sn, qr, N, H, P, L->rope_interleave);
+    lin(xn, (int)N, D, L->wkva, W, L->bkva, kva);
+    for (long n = 0; n < N; n++) {
+        float *row = lat + slot[n] * W;
+        glm5_rms_norm(kva + n * W, W, L->ln_kv, row, 1, R, L->eps_kv);
+        glm5_rope(kva + n * W + R, P, cs + n * half, sn + n * half, row + R, 1, 1, P, L->rope_interleave);
+    }
+    if (L->ID > 0) {
+        const int ID = L->ID;
+        lin(xn, (int)N, D, L->wk, ID, NULL, kk);
+        for (long n = 0; n < N; n++) {
+            float *k = kk + n * ID, mean = 0, var = 0;
+            for (int j = 0; j < ID; j++) mean += k[j];
+            mean /= (float)ID;
+            for (int j = 0; j < ID; j++) var += (k[j] - mean) * (k[j] - mean);
+            float rstd = 1.0f / sqrtf(var / (float)ID + L->eps_ik);
+            for (int j = 0; j < ID; j++) k[j] = (k[j] - mean) * rstd * L->ik_w[j] + L->ik_b[j];
+            float *row = ik + slot[n] * ID;
+            glm5_rope(k, L->IP, cs + n * (L->IP / 2), sn + n * (L->IP / 2), row, 1, 1, L->IP, L->index_interleave);
+            memcpy(row + L->IP, k + L->IP, sizeof(float) * (ID - L->IP));
+        }
+    }
+    absorb_t ab = {q, qr, L->kvb, (long)H * QW, QW, E, V, P};
+    int rc = latent_items(NULL, &ab, B, T, H, W, lat, rows, slots, S, bias, lens, R, L->scale, o, threads);
+    if (rc) {
+        free(buf);
+        return rc;
+    }
+    lin(o, (int)N, H * V, L->wo, D, L->bo, h);
+    for (long i = 0; i < N * D; i++) h[i] += x[i];
+    glm5_rms_norm(h, D, L->ln_post, xn, N, D, L->eps_post);
+    if (L->NE == 0) {
+        swiglu_rows(xn, (int)N, D, L->FI, L->wg, L->wu, L->wd, fb, m);
+    } else {
+        const int NE = L->NE, A = L->A;
+        for (long n = 0; n < N; n++) {
+            route(L, xn + n * D, stats + n * 2 * NE, stats + n * 2 * NE + NE, idx + n * A, rw + n * A);
+            for (int k = 0; k < A; k++) counts[idx[n * A + k]]++;
+        }
+        rc = glm5_moe(xn, N, D, idx, rw, A, NE, L->EI, L->gu, L->gu_es, L->dn, L->dn_es, m, threads);
+        if (rc) {
+            free(buf);
+            return rc == 1 ? 1 : 3;
+        }
+        if (L->SI > 0) { /* the shared expert(s), added to the routed sum as MoE.forward does */
+            swiglu_rows(xn, (int)N, D, L->SI, L->wg, L->wu, L->wd, fb, out);
+            for (long i = 0; i < N * D; i++) m[i] += out[i];
+        }
+    }
+    for (long i = 0; i < N * D; i++) out[i] = h[i] + m[i];
+    free(buf);
+    return 0;
+}
