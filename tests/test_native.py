@@ -347,3 +347,25 @@ def test_decode_layer_kernel_steps_aside(kernels):
     assert layer_spec(layer, True) is not None
     layer.train()
     assert layer_spec(layer, True) is None
+
+
+def test_decode_layer_kernel_on_a_wide_decode_batch(kernels):
+    """A decode step of 14 sequences (the kernel's many-row matmul regimes: 14 rows through each projection,
+    several rows per expert) == the layer modules: logits, cache rows, expert counts."""
+    from glm5.infer.input_batch import SeqChunk
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=96, max_model_len=40, kernels="native")
+    fast, plain = (LLMEngine(EngineConfig(**opts), model=tiny_model(seed=6)) for _ in range(2))
+    lk, ran = fast.runner.layer_kernel, []
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(2, 500, (int(n),), generator=gen).tolist() for n in torch.randint(3, 20, (14,), generator=gen)]
+    blocks = [list(range(6 * i, 6 * i + 6)) for i in range(14)]
+    for eng, layer_kernel in ((fast, None), (plain, None)):  # prefill each sequence (the modules)
+        for i, s in enumerate(seqs):
+            _paged(eng, [SeqChunk(str(i), 0, s[:-1], blocks[i])], layer_kernel)
+    step = [SeqChunk(str(i), len(s) - 1, s[-1:], blocks[i]) for i, s in enumerate(seqs)]
+    got = _paged(fast, step, lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))
+    ref = _paged(plain, step, None)
+    assert ran and all(ran)
+    assert torch.allclose(got.logits, ref.logits, atol=1e-5, rtol=1e-4)
+    assert all(torch.equal(a["tokens_per_expert"], b["tokens_per_expert"]) for a, b in zip(got.router_stats, ref.router_stats))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast.runner.cache.latent, plain.runner.cache.latent))

@@ -108,31 +108,38 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
     return n
 
 
+# NativeLayerKernel runs steps of at most this many rows (decode: one per sequence). Measured on the bench
+# checkpoint (CPU time per decode step, whole-layer kernel / the layer modules on the other native kernels,
+# 1 thread): 0.60 at 1 sequence, 0.76 at 4, 0.78 at 8, 0.85 at 16, 0.87 at 32, 0.92 at 64, 0.96 at 128;
+# 2 threads (wall): 0.76 at 8, 0.94 at 64.
+LAYER_MAX_ROWS = 128
+
+
 class NativeLayerKernel:
     """The model's `LayerKernel` (glm5.model.paged) on `NativeKernels.decode_layer`: a whole decoder layer in
-    one native call for decode steps of at most FUSED_MLA_MAX_ROWS tokens in one identity group whose
-    attention attends every key (no top-k selection yet). It applies when the layer is exactly the plain
+    one native call for decode steps (at most `max_rows` rows, at most FUSED_MLA_MAX_ROWS per sequence: one
+    token, or one and a draft) in one identity group whose attention attends every key (no top-k selection). It applies when the layer is exactly the plain
     served form: native-swapped norms / linear layers / experts in fp32 with [in, out]-stored weights, a
     plain kv_b_proj, a top-k MoE (sigmoid or softmax scores, group-limited or not) without a capacity
     factor, no per-row adapters, no requests pinned to an older expert version, fp32 caches. Otherwise it
     returns None and the layer runs its own modules (the same values; tests/test_native.py compares the
-    two). Per decode token it replaces ~100 PyTorch ops per layer with one call."""
+    two). Per decode step it replaces ~100 PyTorch ops per layer with one call."""
 
-    def __init__(self, kernels: NativeKernels):
-        self.kernels = kernels
+    def __init__(self, kernels: NativeKernels, max_rows: int = LAYER_MAX_ROWS):
+        self.kernels, self.max_rows = kernels, max_rows
         self._keys: tuple[AttnGroup, torch.Tensor, torch.Tensor] | None = None  # the step's key table
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx: PagedContext) -> tuple[torch.Tensor, list, dict | None] | None:
         meta, cache = ctx.meta, ctx.cache
         N = meta.num_tokens
-        if (N > FUSED_MLA_MAX_ROWS or len(meta.groups) != 1 or meta.adapter_ids is not None
+        if (N > self.max_rows or len(meta.groups) != 1 or meta.adapter_ids is not None
                 or meta.pinned_rows is not None or torch.is_grad_enabled() or x.dtype != torch.float32
                 or x.device.type != "cpu" or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())):
             return None
         g = meta.groups[0]
         att = layer.self_attn
-        if not g.is_identity or att.needs_selection(g.num_keys):
+        if not g.is_identity or g.q_index.shape[1] > FUSED_MLA_MAX_ROWS or att.needs_selection(g.num_keys):
             return None
         lat, ik = cache.latent[layer.layer_idx], cache.index_k[layer.layer_idx]
         if att.indexer is None:

@@ -16,7 +16,9 @@ Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.mla_decode`: the same from the un-absorbed query, W_uk and W_uv included (MLAttention's
     absorbed path: absorb_q, dense_latent_attention, latent_to_heads),
   * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm),
-  * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope).
+  * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope),
+  * `NativeKernels.decode_layer`: a whole decoder layer for decode steps, built from the kernels above
+    (glm5.model.model.DecoderLayer over a paged step; glm5.infer.kernels.NativeLayerKernel).
 """
 
 from __future__ import annotations

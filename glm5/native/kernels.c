@@ -6,6 +6,8 @@
  *   glm5_mla_decode    the same with W_uk and W_uv      == MLAttention.absorb_q / .latent_to_heads around it
  *   glm5_rope          rotary embedding                 == glm5.model.layers.apply_rope
  *   glm5_rms_norm      RMSNorm, fp32                    == glm5.model.layers.RMSNorm
+ *   glm5_linear        a few rows through a linear layer == torch.nn.functional.linear
+ *   glm5_decode_layer  a decoder layer at decode         == glm5.model.model.DecoderLayer (paged, no selection)
  *
  * Why native: at decode sizes the first three are memory-bound loops over small products (a few rows per
  * expert, 6-head latent attention) where per-call BLAS overhead, gathers and temporaries cost more than the
