@@ -339,14 +339,32 @@ def test_decode_layer_kernel_steps_aside(kernels):
         _paged(eng, [SeqChunk("s", len(ids) - 1, ids[-1:], list(range(8)))],
                lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))
         assert ran and all(ran) == expect and any(ran) == expect, kw
-    layer = eng.model.model.layers[1]
-    from glm5.infer.kernels import layer_spec
-    assert layer_spec(layer, True) is None  # soft MoE
+    from glm5.infer.kernels import layer_plan
+    assert layer_plan(eng.model.model.layers[1], True).spec is None  # soft MoE
     eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4))
     layer = eng.model.model.layers[1]
-    assert layer_spec(layer, True) is not None
+    plan = layer_plan(layer, True)
+    assert plan.spec is not None and plan.valid()
     layer.train()
-    assert layer_spec(layer, True) is None
+    assert not plan.valid() and layer_plan(layer, True).spec is None
+    layer.eval()
+    assert plan.valid()
+    o_proj = layer.self_attn.o_proj
+    old = o_proj.weight.data
+    o_proj.weight.data = old.clone()  # re-stored elsewhere (same layout): a new plan points there
+    assert not plan.valid() and layer_plan(layer, True).spec.wo == o_proj.weight.data_ptr() != old.data_ptr()
+    o_proj.weight.data = old.contiguous()  # [out, in] storage: the kernel does not apply
+    assert not plan.valid() and layer_plan(layer, True).spec is None
+    o_proj.weight.data = old
+    assert plan.valid()
+    with torch.no_grad():
+        layer.mlp.experts.gate_up_proj.mul_(2)  # in place (hot swap): the plan stays valid
+    assert plan.valid()
+    layer.mlp.use_reference = True
+    assert not plan.valid()
+    layer.mlp.use_reference = False
+    layer.mlp.shared_experts.up_proj = torch.nn.Linear(64, 32)  # a swapped module
+    assert not plan.valid() and layer_plan(layer, True).spec is None
 
 
 def test_decode_layer_kernel_on_a_wide_decode_batch(kernels):

@@ -81,6 +81,7 @@ def _swapped(cls: type, mod: nn.Module, kernels: NativeKernels, shared: tuple[st
     Parameter objects, not copies - and the kernels."""
     new = cls.__new__(cls)
     nn.Module.__init__(new)
+    new.training = mod.training
     for name in shared:
         setattr(new, name, getattr(mod, name))
     new.kernels = kernels
@@ -128,6 +129,7 @@ class NativeLayerKernel:
     def __init__(self, kernels: NativeKernels, max_rows: int = LAYER_MAX_ROWS):
         self.kernels, self.max_rows = kernels, max_rows
         self._keys: tuple[AttnGroup, torch.Tensor, torch.Tensor] | None = None  # the step's key table
+        self._plans: dict[tuple[int, bool], LayerPlan] = {}  # (id(layer), index key) -> its plan
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx: PagedContext) -> tuple[torch.Tensor, list, dict | None] | None:
@@ -146,7 +148,11 @@ class NativeLayerKernel:
             ik = None
         if lat.dtype != torch.float32 or (ik is not None and ik.dtype != torch.float32):
             return None
-        spec = layer_spec(layer, ik is not None)
+        key = (id(layer), ik is not None)
+        plan = self._plans.get(key)
+        if plan is None or plan.layer is not layer or not plan.valid():
+            plan = self._plans[key] = layer_plan(layer, ik is not None)
+        spec = plan.spec
         if spec is None or meta.slot_mapping.dtype != torch.int64:
             return None
         if self._keys is None or self._keys[0] is not g:
@@ -168,69 +174,121 @@ def _f32(t: torch.Tensor | None, shape: tuple[int, ...] | None = None) -> bool:
             and (shape is None or tuple(t.shape) == shape))
 
 
-def _lin(mod: nn.Module, n_in: int, n_out: int) -> tuple[int, int | None] | None:
+class LayerPlan:
+    """A layer's `LayerSpec` and what it was built from: every submodule (by its parent's slot and class)
+    and every tensor (by its module's slot and data pointer) the spec points into. `valid()` re-reads those
+    slots (a few dict lookups, no module attribute machinery), so a swapped module, a replaced or re-stored
+    parameter (e.g. `p.data = ...`), a LoRA parametrisation or train mode rebuilds the spec instead of the
+    kernel reading stale pointers; in-place writes (expert hot swap) keep it valid."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self.spec: LayerSpec | None = None
+        self._mods: list[tuple[dict, str, nn.Module, type]] = []
+        self._tensors: list[tuple[dict, str, torch.Tensor, int]] = []
+        self._moe: MoE | None = None  # its use_reference flag (tests) sends the layer to the per-expert loop
+
+    def mod(self, parent: nn.Module, name: str) -> nn.Module | None:
+        child = parent._modules.get(name)
+        self._mods.append((parent._modules, name, child, type(child)))
+        return child
+
+    def tensor(self, mod: nn.Module, name: str) -> torch.Tensor | None:
+        slots = mod._parameters if name in mod._parameters else mod._buffers
+        t = slots.get(name)
+        self._tensors.append((slots, name, t, 0 if t is None else t.data_ptr()))
+        return t
+
+    def valid(self) -> bool:
+        if self.layer.training or (self._moe is not None and self._moe.use_reference):
+            return False
+        for slots, name, mod, cls in self._mods:  # plain loops: this runs for every layer of every decode step
+            if slots.get(name) is not mod or type(mod) is not cls:
+                return False
+        for slots, name, t, ptr in self._tensors:
+            if slots.get(name) is not t or (t is not None and t.data_ptr() != ptr):
+                return False
+        return True
+
+
+def _lin(plan: LayerPlan, parent: nn.Module, name: str, n_in: int, n_out: int) -> tuple[int, int | None] | None:
     """(weight pointer, bias pointer or None) of a `NativeLinear` [n_out, n_in] stored [in, out] in fp32."""
+    mod = plan.mod(parent, name)
     if type(mod) is not NativeLinear:
         return None
-    w, b = mod.weight, mod.bias
-    if (type(w) is not nn.Parameter or w.dtype != torch.float32 or tuple(w.shape) != (n_out, n_in)
-            or w.stride() != (1, n_out) or (b is not None and not _f32(b, (n_out,)))):
+    w, b = plan.tensor(mod, "weight"), plan.tensor(mod, "bias")
+    if (type(w) is not nn.Parameter or w.dtype != torch.float32 or w.device.type != "cpu"
+            or tuple(w.shape) != (n_out, n_in) or w.stride() != (1, n_out) or (b is not None and not _f32(b, (n_out,)))):
         return None
     return w.data_ptr(), None if b is None else b.data_ptr()
 
 
-def _norm(mod: nn.Module, dim: int) -> tuple[int, float] | None:
-    if type(mod) is not NativeRMSNorm or type(mod.weight) is not nn.Parameter or not _f32(mod.weight, (dim,)):
+def _norm(plan: LayerPlan, parent: nn.Module, name: str, dim: int) -> tuple[int, float] | None:
+    mod = plan.mod(parent, name)
+    if type(mod) is not NativeRMSNorm:
         return None
-    return mod.weight.data_ptr(), float(mod.eps)
+    w = plan.tensor(mod, "weight")
+    if type(w) is not nn.Parameter or not _f32(w, (dim,)):
+        return None
+    return w.data_ptr(), float(mod.eps)
 
 
-def layer_spec(layer: nn.Module, index_key: bool) -> LayerSpec | None:
-    """The decode-layer kernel's spec for `layer` (pointers into its current weights), or None when the
-    layer is not in the kernel's plain served form (see NativeLayerKernel). index_key: compute and cache
+def layer_plan(layer: nn.Module, index_key: bool) -> LayerPlan:
+    """The decode-layer kernel's plan for `layer`: `.spec` points into its current weights, or is None when
+    the layer is not in the kernel's plain served form (see NativeLayerKernel). index_key: compute and cache
     the indexer key."""
-    att, mlp = layer.self_attn, layer.mlp
+    plan = LayerPlan(layer)
+    plan.spec = _build_spec(plan, layer, index_key)
+    return plan
+
+
+def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec | None:
+    att, mlp = plan.mod(layer, "self_attn"), plan.mod(layer, "mlp")
     cfg = att.cfg
-    if att.training or cfg.moe_type != "topk" or cfg.moe_capacity_factor is not None:
+    if layer.training or cfg.moe_type != "topk" or cfg.moe_capacity_factor is not None:
         return None
     D, QR, H = cfg.hidden_size, cfg.q_lora_rank, att.n_heads
     E, P, V, R = att.nope, att.rope, att.v_dim, att.kv_rank
-    kvb = att.kv_b_proj
-    if (type(kvb) is not nn.Linear or nn.utils.parametrize.is_parametrized(kvb) or type(kvb.weight) is not nn.Parameter
-            or not _f32(kvb.weight, (H * (E + V), R)) or not QR):
+    kvb = plan.mod(att, "kv_b_proj")
+    kvw = plan.tensor(kvb, "weight") if kvb is not None else None
+    if type(kvb) is not nn.Linear or type(kvw) is not nn.Parameter or not _f32(kvw, (H * (E + V), R)) or not QR:
         return None
-    parts = [_norm(layer.input_layernorm, D), _lin(att.q_a_proj, D, QR), _norm(att.q_a_layernorm, QR),
-             _lin(att.q_b_proj, QR, H * (E + P)), _lin(att.kv_a_proj_with_mqa, D, R + P), _norm(att.kv_a_layernorm, R),
-             _lin(att.o_proj, H * V, D), _norm(layer.post_attention_layernorm, D)]
+    parts = [_norm(plan, layer, "input_layernorm", D), _lin(plan, att, "q_a_proj", D, QR),
+             _norm(plan, att, "q_a_layernorm", QR), _lin(plan, att, "q_b_proj", QR, H * (E + P)),
+             _lin(plan, att, "kv_a_proj_with_mqa", D, R + P), _norm(plan, att, "kv_a_layernorm", R),
+             _lin(plan, att, "o_proj", H * V, D), _norm(plan, layer, "post_attention_layernorm", D)]
     if any(p is None for p in parts):
         return None
     (ln_in, eps_in), (wqa, bqa), (ln_q, eps_q), (wqb, _), (wkva, bkva), (ln_kv, eps_kv), (wo, bo), (ln_post, eps_post) = parts
     s = LayerSpec(D=D, QR=QR, H=H, E=E, P=P, V=V, R=R, rope_interleave=int(cfg.rope_interleave), eps_in=eps_in,
                   eps_q=eps_q, eps_kv=eps_kv, eps_post=eps_post, scale=att.scale, ln_in=ln_in, wqa=wqa, bqa=bqa,
-                  ln_q=ln_q, wqb=wqb, wkva=wkva, bkva=bkva, ln_kv=ln_kv, kvb=kvb.weight.data_ptr(), wo=wo, bo=bo,
+                  ln_q=ln_q, wqb=wqb, wkva=wkva, bkva=bkva, ln_kv=ln_kv, kvb=kvw.data_ptr(), wo=wo, bo=bo,
                   ln_post=ln_post)
     if index_key:
-        ix = att.indexer
-        wk, kn = _lin(ix.wk, D, ix.head_dim), ix.k_norm
-        if (wk is None or type(kn) is not nn.LayerNorm or not _f32(kn.weight, (ix.head_dim,))
-                or not _f32(kn.bias, (ix.head_dim,)) or ix.rope_dim % 2 or ix.rope_dim > ix.head_dim):
+        ix = plan.mod(att, "indexer")
+        wk, kn = _lin(plan, ix, "wk", D, ix.head_dim), plan.mod(ix, "k_norm")
+        if wk is None or type(kn) is not nn.LayerNorm or ix.rope_dim % 2 or ix.rope_dim > ix.head_dim:
+            return None
+        knw, knb = plan.tensor(kn, "weight"), plan.tensor(kn, "bias")
+        if not (_f32(knw, (ix.head_dim,)) and _f32(knb, (ix.head_dim,))):
             return None
         s.ID, s.IP, s.index_interleave, s.wk = ix.head_dim, ix.rope_dim, int(ix.rope_interleave), wk[0]
-        s.ik_w, s.ik_b, s.eps_ik = kn.weight.data_ptr(), kn.bias.data_ptr(), float(kn.eps)
+        s.ik_w, s.ik_b, s.eps_ik = knw.data_ptr(), knb.data_ptr(), float(kn.eps)
     if isinstance(mlp, MoE):
-        gate, ex, sh = mlp.gate, mlp.experts, mlp.shared_experts
+        plan._moe = mlp
+        gate, ex, sh = plan.mod(mlp, "gate"), plan.mod(mlp, "experts"), plan.mod(mlp, "shared_experts")
         NE, A, EI = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         if (mlp.use_reference or type(gate) is not Router or type(ex) is not NativeExperts or type(sh) is not SwiGLU
-                or not _f32(gate.weight, (NE, D)) or not _f32(gate.e_score_correction_bias, (NE,))
                 or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64 or NE % max(cfg.n_group, 1)):
             return None
-        gu, dn = ex.gate_up_proj, ex.down_proj
-        if not (gu.dtype == dn.dtype == torch.float32 and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI)
-                and is_transposed(gu) and is_transposed(dn)):
+        wr, rb = plan.tensor(gate, "weight"), plan.tensor(gate, "e_score_correction_bias")
+        gu, dn = plan.tensor(ex, "gate_up_proj"), plan.tensor(ex, "down_proj")
+        if not (_f32(wr, (NE, D)) and _f32(rb, (NE,)) and gu.dtype == dn.dtype == torch.float32
+                and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI) and is_transposed(gu) and is_transposed(dn)):
             return None
         SI = sh.gate_proj.out_features
         if SI:
-            ffn = [_lin(sh.gate_proj, D, SI), _lin(sh.up_proj, D, SI), _lin(sh.down_proj, SI, D)]
+            ffn = [_lin(plan, sh, "gate_proj", D, SI), _lin(plan, sh, "up_proj", D, SI), _lin(plan, sh, "down_proj", SI, D)]
             if any(f is None or f[1] is not None for f in ffn):
                 return None
             s.wg, s.wu, s.wd = (f[0] for f in ffn)
@@ -238,11 +296,11 @@ def layer_spec(layer: nn.Module, index_key: bool) -> LayerSpec | None:
         s.n_group, s.topk_group = cfg.n_group, cfg.topk_group
         s.softmax_scores, s.norm_topk = int(cfg.scoring_func == "softmax"), int(cfg.norm_topk_prob)
         s.temperature, s.scaling = cfg.router_temperature, cfg.routed_scaling_factor
-        s.wr, s.rbias = gate.weight.data_ptr(), gate.e_score_correction_bias.data_ptr()
+        s.wr, s.rbias = wr.data_ptr(), rb.data_ptr()
         s.gu, s.dn, s.gu_es, s.dn_es = gu.data_ptr(), dn.data_ptr(), gu.stride(0), dn.stride(0)
     elif type(mlp) is SwiGLU:
         FI = mlp.gate_proj.out_features
-        ffn = [_lin(mlp.gate_proj, D, FI), _lin(mlp.up_proj, D, FI), _lin(mlp.down_proj, FI, D)]
+        ffn = [_lin(plan, mlp, "gate_proj", D, FI), _lin(plan, mlp, "up_proj", D, FI), _lin(plan, mlp, "down_proj", FI, D)]
         if not FI or any(f is None or f[1] is not None for f in ffn):
             return None
         s.FI = FI

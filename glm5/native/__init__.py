@@ -292,7 +292,8 @@ class NativeKernels:
                                         None if stats is None else stats.data_ptr(),
                                         None if idx is None else idx.data_ptr(),
                                         None if counts is None else counts.data_ptr(), threads or torch.get_num_threads())
-        _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S), f"more than 1024 experts or 64 per token")
+        if rc:
+            _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S), "more than 1024 experts or 64 per token")
         return out, stats, idx, counts
 
 
