@@ -279,14 +279,19 @@ def _paged(engine, chunks, layer_kernel):
     dict(scoring_func="softmax", norm_topk_prob=False, router_temperature=0.7, attention_bias=True),
     dict(n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=2),
     dict(rope_interleave=False, indexer_rope_interleave=False, routed_scaling_factor=1.0),
+    dict(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256, intermediate_size=512),  # >= LIN_SPLIT weights
 ])
-def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, request):
     """`NativeLayerKernel` (a whole decoder layer per call) == the layer's own (native-swapped) modules on
     decode steps of one and two rows (two sequences, or one sequence's two-token chunk): logits, the cache
     rows written (latent and indexer key), router stats; options: softmax scores, no renormalisation, router
     temperature, attention biases, group-limited routing with a correction bias, several shared experts,
-    half-split RoPE."""
+    half-split RoPE; 1 and 2 threads (weight-row bands of the linear layers, experts split)."""
     from glm5.infer.input_batch import SeqChunk
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernels run on torch's thread count
+    request.addfinalizer(lambda: torch.set_num_threads(prev))
     engines = []
     for _ in range(2):
         m = tiny_model(seed=3, bias_std=0.05 if opts.get("n_group") else 0.0, **opts)
