@@ -280,6 +280,8 @@ def _paged(engine, chunks, layer_kernel):
     dict(n_group=4, topk_group=2, n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=2),
     dict(rope_interleave=False, indexer_rope_interleave=False, routed_scaling_factor=1.0),
     dict(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256, intermediate_size=512),  # >= LIN_SPLIT weights
+    dict(index_topk=8),  # DSA top-k past 8 keys: the layers' own indexers
+    dict(index_topk=6, indexer_types=["full", "full", "shared"]),  # ... and a layer reusing the previous selection
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, request):
@@ -287,7 +289,8 @@ def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, re
     decode steps of one and two rows (two sequences, or one sequence's two-token chunk): logits, the cache
     rows written (latent and indexer key), router stats; options: softmax scores, no renormalisation, router
     temperature, attention biases, group-limited routing with a correction bias, several shared experts,
-    half-split RoPE; 1 and 2 threads (weight-row bands of the linear layers, experts split)."""
+    half-split RoPE; DSA top-k selection (own indexer and a "shared" layer; the selections equal too); 1 and 2
+    threads (weight-row bands of the linear layers, experts split)."""
     from glm5.infer.input_batch import SeqChunk
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)  # the kernels run on torch's thread count
@@ -321,6 +324,14 @@ def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, re
         got, ref = _paged(fast, chunks, counted), _paged(plain, chunks, None)
         assert (len(ran) > n and all(ran[n:])) == (step[0][1] > 0)  # decode steps run the kernel, prefill not
         assert torch.allclose(got.logits, ref.logits, atol=1e-5, rtol=1e-4)
+        for gs, rs in zip(got.selections, ref.selections, strict=True):  # per layer: None or one group's (idx, valid)
+            assert (gs is None or gs[0] is None) == (rs is None or rs[0] is None)
+            if rs is not None and rs[0] is not None:
+                (gi, gv), (ri, rv) = gs[0], rs[0]
+                assert gi.shape == ri.shape and torch.equal(gv.sum(-1), rv.sum(-1))
+                assert all(sorted(gi.reshape(-1, gi.shape[-1])[r][gv.reshape(-1, gv.shape[-1])[r]].tolist())
+                           == sorted(ri.reshape(-1, ri.shape[-1])[r][rv.reshape(-1, rv.shape[-1])[r]].tolist())
+                           for r in range(gi.shape[0] * gi.shape[1]))
         for st, rs in zip(got.router_stats, ref.router_stats, strict=True):
             assert torch.equal(st["tokens_per_expert"], rs["tokens_per_expert"])
             assert torch.equal(st["topk_idx"].sort(-1).values, rs["topk_idx"].sort(-1).values)
@@ -332,11 +343,11 @@ def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, re
 
 def test_decode_layer_kernel_steps_aside(kernels):
     """Where the whole-layer kernel does not apply it returns None and the layer's modules run: a top-k
-    selection needed (context past index_topk), a capacity factor, soft MoE, per-row adapters, training."""
+    window+global selector, a capacity factor, soft MoE, training (a DSA top-k selection it runs itself)."""
     from glm5.infer.input_batch import SeqChunk
     opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=40, max_model_len=150, kernels="native")
-    for kw, expect in [({}, True), (dict(index_topk=8), False), (dict(moe_capacity_factor=1.5), False),
-                       (dict(moe_type="soft"), False)]:
+    for kw, expect in [({}, True), (dict(index_topk=8), True), (dict(sparse_attention="window"), False),
+                       (dict(moe_capacity_factor=1.5), False), (dict(moe_type="soft"), False)]:
         eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4, **kw))
         lk, ran = eng.runner.layer_kernel, []
         ids = list(range(3, 23))

@@ -119,7 +119,9 @@ LAYER_MAX_ROWS = 128
 class NativeLayerKernel:
     """The model's `LayerKernel` (glm5.model.paged) on `NativeKernels.decode_layer`: a whole decoder layer in
     one native call for decode steps (at most `max_rows` rows, at most FUSED_MLA_MAX_ROWS per sequence: one
-    token, or one and a draft) in one identity group whose attention attends every key (no top-k selection). It applies when the layer is exactly the plain
+    token, or one and a draft) in one identity group, attending every allowed key or, past `index_topk`
+    keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection for a "shared"
+    indexer layer). It applies when the layer is exactly the plain
     served form: native-swapped norms / linear layers / experts in fp32 with [in, out]-stored weights, a
     plain kv_b_proj, a top-k MoE (sigmoid or softmax scores, group-limited or not) without a capacity
     factor, no per-row adapters, no requests pinned to an older expert version, fp32 caches. Otherwise it
@@ -132,7 +134,7 @@ class NativeLayerKernel:
         self._plans: dict[tuple[int, bool], LayerPlan] = {}  # (id(layer), index key) -> its plan
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 ctx: PagedContext) -> tuple[torch.Tensor, list, dict | None] | None:
+                 ctx: PagedContext, prev_sel: list | None = None) -> tuple[torch.Tensor, list, dict | None] | None:
         meta, cache = ctx.meta, ctx.cache
         N = meta.num_tokens
         if (N > self.max_rows or len(meta.groups) != 1 or meta.adapter_ids is not None
@@ -141,12 +143,23 @@ class NativeLayerKernel:
             return None
         g = meta.groups[0]
         att = layer.self_attn
-        if not g.is_identity or g.q_index.shape[1] > FUSED_MLA_MAX_ROWS or att.needs_selection(g.num_keys):
+        T = g.q_index.shape[1]
+        if not g.is_identity or T > FUSED_MLA_MAX_ROWS:
             return None
+        topk, sel_in = 0, None
+        if att.needs_selection(g.num_keys):  # DSA top-k: the layer's own indexer, or the previous layer's keys
+            if att.cfg.sparse_attention != "dsa":
+                return None
+            topk = min(att.cfg.index_topk, g.num_keys)
+            if att.indexer is None:
+                if not prev_sel or prev_sel[0] is None or prev_sel[0][0].shape[-1] != topk:
+                    return None
+                idx, valid = prev_sel[0]
+                sel_in = torch.where(valid, idx, -1).reshape(N, topk).to(torch.int64).contiguous()
         lat, ik = cache.latent[layer.layer_idx], cache.index_k[layer.layer_idx]
         if att.indexer is None:
             ik = None
-        if lat.dtype != torch.float32 or (ik is not None and ik.dtype != torch.float32):
+        if lat.dtype != torch.float32 or (ik is not None and ik.dtype != torch.float32) or (topk and sel_in is None and ik is None):
             return None
         key = (id(layer), ik is not None)
         plan = self._plans.get(key)
@@ -159,10 +172,15 @@ class NativeLayerKernel:
             self._keys = (g, g.key_slots.to(torch.int64).contiguous(),
                           torch.tensor(g.key_lens or [g.num_keys] * g.key_slots.shape[0], dtype=torch.int64))
         _, slots, lens = self._keys
-        out, stats, idx, counts = self.kernels.decode_layer(
+        out, stats, idx, counts, sel = self.kernels.decode_layer(
             spec, x.view(N, -1), cos.view(N, -1), sin.view(N, -1), meta.slot_mapping, lat, ik, slots, g.key_bias,
-            lens, g.q_index.shape[1])
-        sels = [None]
+            lens, T, topk, sel_in)
+        if not topk:
+            sels = [None]
+        elif sel_in is not None:
+            sels = prev_sel  # a shared layer hands the previous selection on, as the modules do
+        else:
+            sels = [(sel.clamp(min=0).view(N // T, T, topk), (sel >= 0).view(N // T, T, topk))]
         if stats is None:
             return out.view(1, N, -1), sels, None
         return out.view(1, N, -1), sels, {"router_logits": stats[:, 0], "scores": stats[:, 1], "topk_idx": idx,
@@ -266,13 +284,17 @@ def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec
                   ln_post=ln_post)
     if index_key:
         ix = plan.mod(att, "indexer")
-        wk, kn = _lin(plan, ix, "wk", D, ix.head_dim), plan.mod(ix, "k_norm")
-        if wk is None or type(kn) is not nn.LayerNorm or ix.rope_dim % 2 or ix.rope_dim > ix.head_dim:
+        NI, ID = ix.n_heads, ix.head_dim
+        wk, kn = _lin(plan, ix, "wk", D, ID), plan.mod(ix, "k_norm")
+        wqi, wwp = _lin(plan, ix, "wq_b", QR, NI * ID), _lin(plan, ix, "weights_proj", D, NI)
+        if (wk is None or wqi is None or wwp is None or wqi[1] is not None or wwp[1] is not None
+                or type(kn) is not nn.LayerNorm or ix.rope_dim != P):
             return None
         knw, knb = plan.tensor(kn, "weight"), plan.tensor(kn, "bias")
         if not (_f32(knw, (ix.head_dim,)) and _f32(knb, (ix.head_dim,))):
             return None
-        s.ID, s.IP, s.index_interleave, s.wk = ix.head_dim, ix.rope_dim, int(ix.rope_interleave), wk[0]
+        s.ID, s.IP, s.index_interleave, s.wk = ID, ix.rope_dim, int(ix.rope_interleave), wk[0]
+        s.NI, s.wqi, s.wwp = NI, wqi[0], wwp[0]
         s.ik_w, s.ik_b, s.eps_ik = knw.data_ptr(), knb.data_ptr(), float(kn.eps)
     if isinstance(mlp, MoE):
         plan._moe = mlp

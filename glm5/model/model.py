@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, ctx: MaskSpec | PagedContext, prev_sel=None):
         """-> (hidden [B, T, H], selection or None, router stats dict or None)."""
         if isinstance(ctx, PagedContext) and ctx.meta.layer_kernel is not None:
-            done = ctx.meta.layer_kernel(self, x, cos, sin, ctx)
+            done = ctx.meta.layer_kernel(self, x, cos, sin, ctx, prev_sel)
             if done is not None:
                 return done
         a, sel = self.self_attn(self.input_layernorm(x), cos, sin, ctx, prev_sel)

@@ -49,7 +49,8 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
     "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
-    "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _P, _P, _I], _I),
+    "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _I],
+                          _I),
 }
 
 
@@ -64,7 +65,7 @@ class LayerSpec(ctypes.Structure):
                                      "scale")]
                 + [(n, _P) for n in ("ln_in", "wqa", "bqa", "ln_q", "wqb", "wkva", "bkva", "ln_kv", "kvb", "wo", "bo",
                                      "wk", "ik_w", "ik_b", "ln_post", "wg", "wu", "wd", "wr", "rbias", "gu", "dn")]
-                + [("gu_es", _L), ("dn_es", _L)])
+                + [("gu_es", _L), ("dn_es", _L), ("NI", _I), ("wqi", _P), ("wwp", _P)])
 
 
 class NativeError(RuntimeError):
@@ -268,16 +269,17 @@ class NativeKernels:
 
     def decode_layer(self, spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_mapping: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor | None,
-                     key_slots: torch.Tensor, bias: torch.Tensor, lens: torch.Tensor, T: int,
-                     threads: int | None = None):
-        """A whole decoder layer (`DecoderLayer.forward` over a paged step whose attention needs no key
-        selection) for the N rows of x [N, D] (items b * T + t of B = N / T sequences): cos / sin [N, P/2]
-        the rows' RoPE angles; this step's cache rows written to latent [rows, R+P] (and index_k [rows, ID]
-        when the spec has an indexer key) at slot_mapping [N]; attention over key_slots [B, S] / bias
-        [B, T, S] / lens [B] (int64; see `latent_decode`). The caller (NativeLayerKernel) built `spec` from
-        the layer and checked dtypes, layouts and shapes; the kernel checks the slots. -> (out [N, D],
-        stats [N, 2, NE] router logits / scores, idx [N, A], counts [NE]) for a MoE layer, else
-        (out, None, None, None)."""
+                     key_slots: torch.Tensor, bias: torch.Tensor, lens: torch.Tensor, T: int, topk: int = 0,
+                     sel_in: torch.Tensor | None = None, threads: int | None = None):
+        """A whole decoder layer (`DecoderLayer.forward` over a paged step) for the N rows of x [N, D] (items
+        b * T + t of B = N / T sequences): cos / sin [N, P/2] the rows' RoPE angles; this step's cache rows
+        written to latent [rows, R+P] (and index_k [rows, ID] when the spec has an indexer key) at
+        slot_mapping [N]; attention over key_slots [B, S] / bias [B, T, S] / lens [B] (int64; see
+        `latent_decode`), restricted when topk > 0 to a top-k selection of keys per row: `sel_in` [N, topk]
+        (key indices, -1 = none; a "shared" indexer layer) or the layer's own (DSA indexer). The caller
+        (NativeLayerKernel) built `spec` from the layer and checked dtypes, layouts and shapes; the kernel
+        checks the slots and selections. -> (out [N, D], stats [N, 2, NE] router logits / scores, idx [N, A],
+        counts [NE], sel [N, topk]); the MoE entries are None for a dense layer, sel None without topk."""
         N = x.shape[0]
         S = key_slots.shape[1]
         out = torch.empty_like(x)
@@ -285,16 +287,22 @@ class NativeKernels:
         stats = torch.empty(N, 2, spec.NE) if moe else None
         idx = torch.empty(N, spec.A, dtype=torch.int64) if moe else None
         counts = torch.zeros(spec.NE, dtype=torch.int64) if moe else None
+        sel_out = torch.empty(N, topk, dtype=torch.int64) if topk and sel_in is None else None
+        if sel_in is not None and (sel_in.shape != (N, topk) or sel_in.dtype != torch.int64 or not sel_in.is_contiguous()):
+            raise ValueError(f"sel_in must be a contiguous int64 [{N}, {topk}], got {list(sel_in.shape)} {sel_in.dtype}")
         rc = self.lib.glm5_decode_layer(ctypes.byref(spec), x.data_ptr(), N, cos.data_ptr(), sin.data_ptr(),
                                         slot_mapping.data_ptr(), latent.data_ptr(), latent.shape[0],
                                         None if index_k is None else index_k.data_ptr(), N // T, T,
-                                        key_slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                                        key_slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(),
+                                        None if sel_in is None else sel_in.data_ptr(),
+                                        None if sel_out is None else sel_out.data_ptr(), topk, out.data_ptr(),
                                         None if stats is None else stats.data_ptr(),
                                         None if idx is None else idx.data_ptr(),
                                         None if counts is None else counts.data_ptr(), threads or torch.get_num_threads())
         if rc:
-            _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S), "more than 1024 experts or 64 per token")
-        return out, stats, idx, counts
+            _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S) + ", or a selection outside the keys",
+                   "more than 1024 experts or 64 per token")
+        return out, stats, idx, counts, sel_in if sel_in is not None else sel_out
 
 
 def rows_stride(x: torch.Tensor) -> int | None:

@@ -417,12 +417,19 @@ static inline __attribute__((always_inline)) void head_accum2(float *o, int R, c
 /* One query row (all H heads) over its sequence's first n keys. qs [H, W] scaled queries; sc [H, ld] and
  * keys [ld] scratch; o [H, R] output. Only allowed keys (bias > -inf) are read: their indices are listed
  * first, then scored two rows at a time, and the output accumulated four rows at a time (each pass reads a
- * row once for all heads). */
+ * row once for all heads). With `given` (K key indices, -1 = none: a top-k selection of allowed keys) only
+ * those keys are attended. */
 static void latent_row(const float *qs, int H, int W, const float *lat, const int64_t *slots, long n,
-                       const float *bias, int R, float *sc, int64_t *keys, long ld, float *o) {
+                       const float *bias, const int64_t *given, long K, int R, float *sc, int64_t *keys, long ld,
+                       float *o) {
     long m = 0;
-    for (long s = 0; s < n; s++)
-        if (bias[s] != -INFINITY) keys[m++] = s;
+    if (given) {
+        for (long k = 0; k < K; k++)
+            if (given[k] >= 0) keys[m++] = given[k];
+    } else {
+        for (long s = 0; s < n; s++)
+            if (bias[s] != -INFINITY) keys[m++] = s;
+    }
     memset(o, 0, sizeof(float) * H * R);
     if (!m) return; /* a row with no allowed key: zeros */
     for (long i = 0; i < m; i++) { /* one key row at a time: a pure stream through the sequence's blocks */
@@ -479,11 +486,13 @@ static inline float dot(const float *a, const float *b, int n) {
 /* The query rows of B sequences x T (items i = b * T + t) over their keys; see the two entry points. */
 static int latent_items(const float *q, const absorb_t *ab, long B, long T, int H, int W, const float *lat,
                         long rows, const int64_t *slots, long S, const float *bias, const int64_t *lens, int R,
-                        float scale, float *out, int threads) {
+                        float scale, const int64_t *sel, long K, float *out, int threads) {
     for (long b = 0; b < B; b++) {
         if (lens[b] < 0 || lens[b] > S) return 2;
         for (long s = 0; s < lens[b]; s++)
             if (slots[b * S + s] < 0 || slots[b * S + s] >= rows) return 2;
+        for (long k = 0; sel && k < T * K; k++)
+            if (sel[b * T * K + k] < -1 || sel[b * T * K + k] >= lens[b]) return 2;
     }
     long items = B * T;
     int nt = n_threads(threads);
@@ -508,7 +517,8 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
                     memcpy(qs + (long)h * W + R, ab->q_rope + (i * H + h) * (long)P, sizeof(float) * P);
                 }
                 for (long j = 0; j < (long)H * W; j++) qs[j] *= scale;
-                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, R, sc, keys, ld, olat);
+                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, sel ? sel + i * K : NULL, K, R, sc,
+                           keys, ld, olat);
                 for (int h = 0; h < H; h++) {
                     const float *w_uv = ab->kvb + ((long)h * (E + V) + E) * R; /* [V, R] */
                     for (int v = 0; v < V; v++) out[(i * H + h) * V + v] = dot(olat + (long)h * R, w_uv + (long)v * R, R);
@@ -516,7 +526,8 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
             } else {
                 const float *qi = q + i * H * W;
                 for (long j = 0; j < (long)H * W; j++) qs[j] = qi[j] * scale;
-                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, R, sc, keys, ld, out + i * H * R);
+                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, NULL, 0, R, sc, keys, ld,
+                           out + i * H * R);
             }
         }
         free(qs);
@@ -531,7 +542,7 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
 int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float *lat, long rows,
                        const int64_t *slots, long S, const float *bias, const int64_t *lens, int R, float scale,
                        float *out, int threads) {
-    return latent_items(q, NULL, B, T, H, W, lat, rows, slots, S, bias, lens, R, scale, out, threads);
+    return latent_items(q, NULL, B, T, H, W, lat, rows, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
 }
 
 /* The same attention from the un-absorbed query: q_nope [B*T, H, E] (item stride qn_si, head stride qn_sh,
@@ -542,7 +553,7 @@ int glm5_mla_decode(const float *q_nope, long qn_si, long qn_sh, const float *q_
                     int V, int P, long B, long T, int H, const float *lat, long rows, const int64_t *slots, long S,
                     const float *bias, const int64_t *lens, int R, float scale, float *out, int threads) {
     absorb_t ab = {q_nope, q_rope, kvb, qn_si, qn_sh, E, V, P};
-    return latent_items(NULL, &ab, B, T, H, R + P, lat, rows, slots, S, bias, lens, R, scale, out, threads);
+    return latent_items(NULL, &ab, B, T, H, R + P, lat, rows, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -624,6 +635,8 @@ typedef struct {
     const float *wr, *rbias;        /* router weight, selection-only correction bias */
     const float *gu, *dn;           /* routed experts: gate_up [NE][D, 2EI], down [NE][EI, D] */
     long gu_es, dn_es;
+    int NI;                         /* indexer query heads (its queries: q_resid wqi, weights: x wwp) */
+    const float *wqi, *wwp;
 } layer_t;
 
 /* y [R, N] = x [R, K] @ wt [K, N] (+ bias) on up to nt threads: for a few rows and a weight of at least
@@ -716,6 +729,61 @@ static void route(const layer_t *L, const float *x, float *logits, float *scores
     for (int k = 0; k < A; k++) w[k] = (L->norm_topk ? w[k] / (sum + 1e-20f) : w[k]) * L->scaling;
 }
 
+/* The k-th largest (k >= 1) of a[0:m] (m >= k), reordering a: quickselect. */
+static float kth_largest(float *a, long m, long k) {
+    long lo = 0, hi = m - 1, want = k - 1;
+    while (lo < hi) {
+        float pivot = a[lo + (hi - lo) / 2];
+        long i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                float t = a[i];
+                a[i++] = a[j];
+                a[j--] = t;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+/* DSA top-k for one query row (glm5.model.indexer.dsa_topk): index scores sum_h w[h] relu(q[h] . k_s) over
+ * the row's allowed keys s < n (bias > -inf; key rows ik[slots[s]], ID wide), the K best -> out [K] in key
+ * order, -1 after the last when fewer keys are allowed. q [NI, ID] rotated queries, w [NI] head weights
+ * (scaled by NI^-1/2 ID^-1/2); sc / tmp [n], keys [n] scratch. Ties at the K-th score keep the lower keys. */
+static void index_topk(const float *q, const float *w, int NI, int ID, const float *ik, const int64_t *slots, long n,
+                       const float *bias, long K, float *sc, float *tmp, int64_t *keys, int64_t *out) {
+    long m = 0;
+    for (long s = 0; s < n; s++) {
+        if (bias[s] == -INFINITY) continue;
+        const float *k = ik + slots[s] * ID;
+        float acc = 0;
+        for (int h = 0; h < NI; h++) {
+            float d = dot(q + (long)h * ID, k, ID);
+            acc += w[h] * (d > 0 ? d : 0);
+        }
+        keys[m] = s;
+        sc[m++] = acc;
+    }
+    long o = 0;
+    if (m <= K) {
+        for (long i = 0; i < m; i++) out[o++] = keys[i];
+    } else {
+        memcpy(tmp, sc, sizeof(float) * m);
+        float thr = kth_largest(tmp, m, K);
+        long above = 0;
+        for (long i = 0; i < m; i++) above += sc[i] > thr;
+        long ties = K - above;
+        for (long i = 0; i < m && o < K; i++)
+            if (sc[i] > thr || (sc[i] == thr && ties-- > 0)) out[o++] = keys[i];
+    }
+    for (; o < K; o++) out[o] = -1;
+}
+
 /* x [N, D] -> out [N, D]: the whole decoder layer for N query rows (items b * T + t of B sequences x T) over
  * their sequences' cached keys, as DecoderLayer.forward with a paged context computes it when every key
  * is attended (no top-k selection): input RMSNorm; q_a -> RMSNorm -> q_b, RoPE on the rope part; kv_a ->
@@ -723,17 +791,20 @@ static void route(const layer_t *L, const float *x, float *logits, float *scores
  * indexer key (wk -> LayerNorm -> RoPE on its first IP values) written to ik[slot[n]] when ID > 0;
  * absorbed MLA over the keys (as glm5_mla_decode); o_proj; residual; post-attention RMSNorm; the dense
  * SwiGLU or the MoE (router, routed experts as glm5_moe, shared expert); residual. cs / sn [N, P/2] are
- * the rows' RoPE angles. MoE layers also return each row's router logits and scores (stats [N, 2, NE]),
- * chosen experts idx [N, A], and add one per assignment to counts [NE]. Returns as glm5_latent_decode;
- * 3 for more than 1024 experts or 64 per token. */
+ * the rows' RoPE angles. K > 0: attention over a DSA top-K selection of keys instead of every allowed one:
+ * the rows' selections sel_in [N, K] (key indices, -1 = none: a "shared" indexer layer reusing the previous
+ * layer's), or this layer's own (the indexer queries from q_resid and x, `index_topk` over the cached
+ * indexer keys) written to sel_out [N, K]. MoE layers also return each row's router logits and scores
+ * (stats [N, 2, NE]), chosen experts idx [N, A], and add one per assignment to counts [NE]. Returns as
+ * glm5_latent_decode; 3 for more than 1024 experts or 64 per token. */
 int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs, const float *sn,
                       const int64_t *slot, float *lat, long rows, float *ik, long B, long T, const int64_t *slots,
-                      long S, const float *bias, const int64_t *lens, float *out, float *stats, int64_t *idx,
-                      int64_t *counts, int threads) {
+                      long S, const float *bias, const int64_t *lens, const int64_t *sel_in, int64_t *sel_out,
+                      long K, float *out, float *stats, int64_t *idx, int64_t *counts, int threads) {
     const int D = L->D, H = L->H, E = L->E, P = L->P, R = L->R, V = L->V, W = R + P, QW = E + P;
     const int nt = n_threads(threads);
     if (L->NE > 1024 || L->A > 64) return 3;
-    if (B * T != N) return 2;
+    if (B * T != N || K < 0 || K > S || (K && !sel_in && (!L->NI || !L->ID || !ik || !sel_out))) return 2;
     for (long n = 0; n < N; n++)
         if (slot[n] < 0 || slot[n] >= rows) return 2;
     long F = L->FI > L->SI ? L->FI : L->SI;
@@ -768,12 +839,49 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
             float rstd = 1.0f / sqrtf(var / (float)ID + L->eps_ik);
             for (int j = 0; j < ID; j++) k[j] = (k[j] - mean) * rstd * L->ik_w[j] + L->ik_b[j];
             float *row = ik + slot[n] * ID;
-            glm5_rope(k, L->IP, cs + n * (L->IP / 2), sn + n * (L->IP / 2), row, 1, 1, L->IP, L->index_interleave);
+            glm5_rope(k, L->IP, cs + n * half, sn + n * half, row, 1, 1, L->IP, L->index_interleave);
             memcpy(row + L->IP, k + L->IP, sizeof(float) * (ID - L->IP));
         }
     }
+    const int64_t *sel = sel_in;
+    if (K && !sel_in) { /* this layer's own top-K: indexer queries and head weights, then each row's keys */
+        const int NI = L->NI, ID = L->ID, IP = L->IP;
+        float *qi = malloc(sizeof(float) * (N * (long)NI * ID + N * NI + 3 * S + (long)NI * IP) + sizeof(int64_t) * S);
+        if (!qi) {
+            free(buf);
+            return 1;
+        }
+        float *wi = qi + N * NI * ID, *sc = wi + N * NI, *tmp = sc + S, *rot = tmp + S;
+        int64_t *keys = (int64_t *)(rot + (long)NI * IP);
+        lin(qa, (int)N, L->QR, L->wqi, NI * ID, NULL, qi, nt);
+        lin(xn, (int)N, D, L->wwp, NI, NULL, wi, nt);
+        for (long n = 0; n < N; n++) {
+            float *qn = qi + n * NI * ID;
+            glm5_rope(qn, ID, cs + n * half, sn + n * half, rot, 1, NI, IP, L->index_interleave);
+            for (int h = 0; h < NI; h++) memcpy(qn + (long)h * ID, rot + (long)h * IP, sizeof(float) * IP);
+            for (int h = 0; h < NI; h++) wi[n * NI + h] = wi[n * NI + h] * (1.0f / sqrtf((float)NI)) * (1.0f / sqrtf((float)ID));
+        }
+        for (long i = 0; i < N; i++) {
+            long b = i / T;
+            if (lens[b] < 0 || lens[b] > S) {
+                free(qi);
+                free(buf);
+                return 2;
+            }
+            for (long s2 = 0; s2 < lens[b]; s2++)
+                if (slots[b * S + s2] < 0 || slots[b * S + s2] >= rows) {
+                    free(qi);
+                    free(buf);
+                    return 2;
+                }
+            index_topk(qi + i * NI * ID, wi + i * NI, NI, ID, ik, slots + b * S, lens[b], bias + i * S, K, sc, tmp,
+                       keys, sel_out + i * K);
+        }
+        free(qi);
+        sel = sel_out;
+    }
     absorb_t ab = {q, qr, L->kvb, (long)H * QW, QW, E, V, P};
-    int rc = latent_items(NULL, &ab, B, T, H, W, lat, rows, slots, S, bias, lens, R, L->scale, o, threads);
+    int rc = latent_items(NULL, &ab, B, T, H, W, lat, rows, slots, S, bias, lens, R, L->scale, sel, K, o, threads);
     if (rc) {
         free(buf);
         return rc;
