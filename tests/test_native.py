@@ -403,3 +403,28 @@ def test_decode_layer_kernel_on_a_wide_decode_batch(kernels):
     assert torch.allclose(got.logits, ref.logits, atol=1e-5, rtol=1e-4)
     assert all(torch.equal(a["tokens_per_expert"], b["tokens_per_expert"]) for a, b in zip(got.router_stats, ref.router_stats))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast.runner.cache.latent, plain.runner.cache.latent))
+
+
+def test_decode_layer_kernel_refuses_bad_keys_before_writing(kernels):
+    """A slot, key length or selected key outside the cache / sequence is refused (NativeError) before the
+    kernel writes anything into the cache."""
+    from glm5.infer.input_batch import SeqChunk
+    eng = LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40,
+                                 kernels="native"), model=tiny_model(seed=7, index_topk=4))
+    lk, seen = eng.runner.layer_kernel, []
+    ids = list(range(3, 15))
+    _paged(eng, [SeqChunk("s", 0, ids[:-1], list(range(4)))], lk)
+    real = eng.kernels.decode_layer
+    eng.kernels.decode_layer = lambda *a: seen.append(a) or real(*a)
+    _paged(eng, [SeqChunk("s", len(ids) - 1, ids[-1:], list(range(4)))], lk)
+    spec, x, cos, sin, slot_mapping, lat, ik, slots, bias, lens, T, topk, sel_in = seen[2]  # layer 2: own top-k
+    assert topk == 4 and sel_in is None
+    before = [lat.clone(), ik.clone()]
+    bad = [dict(slot_mapping=torch.tensor([lat.shape[0]])), dict(slots=slots + lat.shape[0]),
+           dict(lens=lens + slots.shape[1] + 1), dict(sel_in=torch.tensor([[0, 1, 2, 99]]))]
+    for change in bad:
+        args = dict(slot_mapping=slot_mapping, slots=slots, lens=lens, sel_in=None) | change
+        with pytest.raises(NativeError, match="refused"):
+            real(spec, x, cos, sin, args["slot_mapping"], lat, ik, args["slots"], bias, args["lens"], T, topk,
+                 args["sel_in"])
+        assert torch.equal(lat, before[0]) and torch.equal(ik, before[1])

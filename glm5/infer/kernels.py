@@ -121,12 +121,12 @@ class NativeLayerKernel:
     one native call for decode steps (at most `max_rows` rows, at most FUSED_MLA_MAX_ROWS per sequence: one
     token, or one and a draft) in one identity group, attending every allowed key or, past `index_topk`
     keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection for a "shared"
-    indexer layer). It applies when the layer is exactly the plain
-    served form: native-swapped norms / linear layers / experts in fp32 with [in, out]-stored weights, a
-    plain kv_b_proj, a top-k MoE (sigmoid or softmax scores, group-limited or not) without a capacity
-    factor, no per-row adapters, no requests pinned to an older expert version, fp32 caches. Otherwise it
-    returns None and the layer runs its own modules (the same values; tests/test_native.py compares the
-    two). Per decode step it replaces ~100 PyTorch ops per layer with one call."""
+    indexer layer). It applies when the layer is exactly the plain served form: native-swapped norms /
+    linear layers / experts in fp32 with [in, out]-stored weights, a plain kv_b_proj, a top-k MoE (sigmoid
+    or softmax scores, group-limited or not) without a capacity factor, no per-row adapters, no requests
+    pinned to an older expert version, fp32 caches. Otherwise it returns None and the layer runs its own
+    modules (the same values; tests/test_native.py compares the two). Per decode step it replaces ~100
+    PyTorch ops per layer with one call."""
 
     def __init__(self, kernels: NativeKernels, max_rows: int = LAYER_MAX_ROWS):
         self.kernels, self.max_rows = kernels, max_rows

@@ -483,10 +483,10 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* The query rows of B sequences x T (items i = b * T + t) over their keys; see the two entry points. */
-static int latent_items(const float *q, const absorb_t *ab, long B, long T, int H, int W, const float *lat,
-                        long rows, const int64_t *slots, long S, const float *bias, const int64_t *lens, int R,
-                        float scale, const int64_t *sel, long K, float *out, int threads) {
+/* 0 when every sequence's length is in [0, S], its first lens[b] key slots in [0, rows) and each of its T
+ * query rows' K selected keys (sel, optional) in [-1, lens[b]); else 2. */
+static int keys_ok(long B, long T, long S, const int64_t *slots, const int64_t *lens, long rows, const int64_t *sel,
+                   long K) {
     for (long b = 0; b < B; b++) {
         if (lens[b] < 0 || lens[b] > S) return 2;
         for (long s = 0; s < lens[b]; s++)
@@ -494,6 +494,14 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
         for (long k = 0; sel && k < T * K; k++)
             if (sel[b * T * K + k] < -1 || sel[b * T * K + k] >= lens[b]) return 2;
     }
+    return 0;
+}
+
+/* The query rows of B sequences x T (items i = b * T + t) over their keys; see the two entry points. */
+static int latent_items(const float *q, const absorb_t *ab, long B, long T, int H, int W, const float *lat,
+                        long rows, const int64_t *slots, long S, const float *bias, const int64_t *lens, int R,
+                        float scale, const int64_t *sel, long K, float *out, int threads) {
+    if (keys_ok(B, T, S, slots, lens, rows, sel, K)) return 2;
     long items = B * T;
     int nt = n_threads(threads);
     if (nt > items) nt = (int)(items ? items : 1);
@@ -807,6 +815,7 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
     if (B * T != N || K < 0 || K > S || (K && !sel_in && (!L->NI || !L->ID || !ik || !sel_out))) return 2;
     for (long n = 0; n < N; n++)
         if (slot[n] < 0 || slot[n] >= rows) return 2;
+    if (keys_ok(B, T, S, slots, lens, rows, sel_in, K)) return 2; /* before anything is written */
     long F = L->FI > L->SI ? L->FI : L->SI;
     long need = N * ((long)D * 3 + L->QR + (long)H * QW + (long)H * P + W + (L->ID > 0 ? L->ID : 0) + (long)H * V
                      + 2 * F + (L->NE ? L->A : 0));
@@ -846,13 +855,12 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
     const int64_t *sel = sel_in;
     if (K && !sel_in) { /* this layer's own top-K: indexer queries and head weights, then each row's keys */
         const int NI = L->NI, ID = L->ID, IP = L->IP;
-        float *qi = malloc(sizeof(float) * (N * (long)NI * ID + N * NI + 3 * S + (long)NI * IP) + sizeof(int64_t) * S);
+        float *qi = malloc(sizeof(float) * (N * (long)NI * ID + N * NI + (long)NI * IP));
         if (!qi) {
             free(buf);
             return 1;
         }
-        float *wi = qi + N * NI * ID, *sc = wi + N * NI, *tmp = sc + S, *rot = tmp + S;
-        int64_t *keys = (int64_t *)(rot + (long)NI * IP);
+        float *wi = qi + N * NI * ID, *rot = wi + N * NI;
         lin(qa, (int)N, L->QR, L->wqi, NI * ID, NULL, qi, nt);
         lin(xn, (int)N, D, L->wwp, NI, NULL, wi, nt);
         for (long n = 0; n < N; n++) {
@@ -861,21 +869,24 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
             for (int h = 0; h < NI; h++) memcpy(qn + (long)h * ID, rot + (long)h * IP, sizeof(float) * IP);
             for (int h = 0; h < NI; h++) wi[n * NI + h] = wi[n * NI + h] * (1.0f / sqrtf((float)NI)) * (1.0f / sqrtf((float)ID));
         }
-        for (long i = 0; i < N; i++) {
-            long b = i / T;
-            if (lens[b] < 0 || lens[b] > S) {
-                free(qi);
-                free(buf);
-                return 2;
+        int st = nt < N ? nt : (int)N, fail = 0;
+#pragma omp parallel num_threads(st) reduction(| : fail) if (st > 1)
+        { /* rows in parallel, each thread with its own score / key scratch */
+            float *sc = malloc((sizeof(float) * 2 + sizeof(int64_t)) * (S ? S : 1));
+            fail |= !sc;
+#pragma omp for schedule(dynamic, 1)
+            for (long i = 0; i < N; i++) {
+                if (!sc) continue;
+                long b = i / T;
+                index_topk(qi + i * NI * ID, wi + i * NI, NI, ID, ik, slots + b * S, lens[b], bias + i * S, K, sc,
+                           sc + S, (int64_t *)(sc + 2 * S), sel_out + i * K);
             }
-            for (long s2 = 0; s2 < lens[b]; s2++)
-                if (slots[b * S + s2] < 0 || slots[b * S + s2] >= rows) {
-                    free(qi);
-                    free(buf);
-                    return 2;
-                }
-            index_topk(qi + i * NI * ID, wi + i * NI, NI, ID, ik, slots + b * S, lens[b], bias + i * S, K, sc, tmp,
-                       keys, sel_out + i * K);
+            free(sc);
+        }
+        if (fail) {
+            free(qi);
+            free(buf);
+            return 1;
         }
         free(qi);
         sel = sel_out;
