@@ -4,7 +4,8 @@
     python bench/engine.py --quick         # smaller workload (smoke run)
 
 Measures, in one run: offline throughput for N prompts of mixed lengths (glm5 LLMEngine vs transformers
-`generate` batched with left padding), single-stream decode tokens/s (glm5 vs transformers), KV bytes
+`generate` batched with left padding), single-stream decode tokens/s (glm5 vs transformers; also past
+`index_topk` with a 1,024-token prompt, where both run DSA sparse attention at every step), KV bytes
 per token (latent vs expanded per-head K/V), INT8 vs fp32 decode speed and weight memory, INT8 logit
 error and perplexity change on the validation split, and batch-1 decode as a fraction of the
 memory-bandwidth bound (active weight bytes per token / measured copy bandwidth).
@@ -192,6 +193,18 @@ def bench_single_stream(model, hf, args) -> None:
            glm5_tok_per_cpu_s=median(ours, 1), hf_tok_per_cpu_s=median(theirs, 1),
            ratio_cpu=ratio_stats(ours, theirs, 1))
     RESULTS["_fp32_decode"] = (median(ours, 0), median(ours, 1))
+
+
+def bench_long_decode(model, hf, args) -> None:
+    """Single-stream decode past `index_topk` (1,024 prompt tokens on `small`, top-256): DSA sparse attention
+    at every step, glm5 (the native layer kernel selects and attends the top-k) vs transformers `generate`."""
+    prompt = workload(1, 1024, 1024, seed=2)[0]
+    res = alternate({"glm5": lambda: engine_decode_tok_s(model, prompt, args.decode_tokens, max_model_len=2048),
+                     "hf": lambda: hf_decode_tok_s(hf, prompt, args.decode_tokens)}, max(1, args.rounds - 2))
+    ours, theirs = res["glm5"], res["hf"]
+    record("long_context_decode", prompt_len=len(prompt), index_topk=model.config.index_topk,
+           new_tokens=args.decode_tokens, glm5_tok_s=median(ours, 0), hf_tok_s=median(theirs, 0),
+           ratio=ratio_stats(ours, theirs, 0), ratio_cpu=ratio_stats(ours, theirs, 1))
 
 
 def bench_tiny_batch(args) -> None:
@@ -393,8 +406,8 @@ def main() -> None:
     args.rounds = 1 if q else 5
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt)
-    only = set(args.only or ["kv", "tiny32", "sessions", "single", "offline", "int8", "offload", "bandwidth"])
-    hf = hf_model(args.ckpt) if only & {"single", "offline"} else None
+    only = set(args.only or ["kv", "tiny32", "sessions", "single", "long", "offline", "int8", "offload", "bandwidth"])
+    hf = hf_model(args.ckpt) if only & {"single", "long", "offline"} else None
     if "kv" in only:
         bench_kv(model)
     if "tiny32" in only:
@@ -403,6 +416,8 @@ def main() -> None:
         bench_sessions(args)
     if "single" in only:
         bench_single_stream(model, hf, args)
+    if "long" in only:
+        bench_long_decode(model, hf, args)
     if "offline" in only:
         bench_offline(model, hf, args)
     if "int8" in only:
