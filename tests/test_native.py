@@ -428,3 +428,22 @@ def test_decode_layer_kernel_refuses_bad_keys_before_writing(kernels):
             real(spec, x, cos, sin, args["slot_mapping"], lat, ik, args["slots"], bias, args["lens"], T, topk,
                  args["sel_in"])
         assert torch.equal(lat, before[0]) and torch.equal(ik, before[1])
+
+
+def test_a_served_model_can_be_copied_and_pickled(kernels):
+    """The engine's module swaps hold the kernels: `copy.deepcopy` of the served model shares them (and
+    computes the same), pickling keeps the library's path."""
+    import copy
+    import pickle
+    from glm5.infer.kernels import NativeLinear
+    model = tiny_model(seed=8)
+    LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40,
+                           kernels="native"), model=model)
+    twin = copy.deepcopy(model)
+    lin = twin.model.layers[1].self_attn.q_a_proj
+    assert type(lin) is NativeLinear and lin.kernels is model.model.layers[1].self_attn.q_a_proj.kernels
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+    back = pickle.loads(pickle.dumps(lin.kernels))  # (our own object, in memory)
+    assert back.path == lin.kernels.path and back.rope is not None

@@ -145,6 +145,14 @@ class NativeKernels:
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, result
 
+    # The modules that call the kernels hold this object, and models get copied (`copy.deepcopy`) and pickled
+    # (`torch.save`): a copy shares the loaded library (it has no state of its own), a pickle keeps its path.
+    def __deepcopy__(self, memo) -> "NativeKernels":
+        return self
+
+    def __reduce__(self):
+        return (NativeKernels, (self.path,))
+
     def moe(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
             down: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """Routed experts for x [N, H] fp32, idx [N, A] expert ids, weights [N, A] (0 = dropped): gate_up
