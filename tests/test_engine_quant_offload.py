@@ -74,6 +74,22 @@ def test_int8_engine_matches_quantized_model():
     assert run(engine, PROMPTS) == ref
 
 
+def test_int8_from_a_model_already_served():
+    """A model an fp32 engine has served (its weights re-stored [in, out], native modules swapped in, all in
+    place) can be deep-copied and quantised for an INT8 engine: the int8 weights come out row-major for the
+    int8pack kernel, and the INT8 engine serves what the quantised model computes."""
+    m = tiny_model(seed=6, index_topk=6)
+    LLMEngine(engine_opts(), model=m)  # fp32, CPU defaults: transposed layout + native kernels, in place
+    gu = m.model.layers[1].mlp.experts.gate_up_proj
+    assert not gu.is_contiguous()  # the engine's [in, out] storage
+    q, scale = quant.quantize_weight(gu)
+    assert q.is_contiguous() and scale.is_contiguous() and torch.equal(q, quant.quantize_weight(gu.contiguous())[0])
+    ref_model = quant.quantize_model(copy.deepcopy(m), {"small": "int8pack", "large": "int8pack"})
+    ref = [ref_model.generate_greedy(torch.tensor([p]), 8)[0, len(p):].tolist() for p in PROMPTS]
+    engine = LLMEngine(engine_opts(quantization="int8", int8_kernel="int8pack"), model=copy.deepcopy(m))
+    assert run(engine, PROMPTS) == ref
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     m = tiny_model(seed=7, index_topk=6, n_routed_experts=8, num_experts_per_tok=2)

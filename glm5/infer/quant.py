@@ -32,10 +32,12 @@ _SKIP = ("kv_b_proj", "indexer")  # module names kept in full precision (the rou
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., N, K] -> (int8 [..., N, K], fp32 scale [..., N]): symmetric per output channel."""
+    """w [..., N, K] -> (int8 [..., N, K], fp32 scale [..., N]): symmetric per output channel. Both come out
+    contiguous whatever w's storage order (a served model's weights are stored [in, out]; the int8 kernels
+    read [N, K] row-major)."""
     scale = w.float().abs().amax(dim=-1).clamp(min=1e-12) / 127.0
     q = torch.round(w.float() / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    return q.contiguous(), scale.contiguous()
 
 
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, kernel: str | dict | None = None
