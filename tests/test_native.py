@@ -447,3 +447,33 @@ def test_a_served_model_can_be_copied_and_pickled(kernels):
         assert torch.equal(twin(ids).logits, model(ids).logits)
     back = pickle.loads(pickle.dumps(lin.kernels))  # (our own object, in memory)
     assert back.path == lin.kernels.path and back.rope is not None
+
+
+@pytest.mark.parametrize("opts", [{}, dict(index_topk=6, attention_bias=True)])
+def test_decode_layer_kernel_on_int8_weights(kernels, opts):
+    """INT8 engines (glm5.infer.quant): the layer kernel reads Int8Linear / Int8Experts weights (int8 rows times
+    fp32 activations, then the per-channel scale: the "dequant" kernel's arithmetic) == the modules on
+    decode steps of 1 and 2 sequences (incl. top-k selection); more than INT8_MAX_ROWS rows step aside."""
+    from glm5.infer.input_batch import SeqChunk
+    from glm5.infer.kernels import INT8_MAX_ROWS
+    o = dict(device="cpu", dtype="float32", block_size=4, num_blocks=80, max_model_len=40, kernels="native",
+             quantization="int8", int8_kernel="dequant")
+    fast, plain = (LLMEngine(EngineConfig(**o), model=tiny_model(seed=9, **opts)) for _ in range(2))
+    lk, ran = fast.runner.layer_kernel, []
+    counted = lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a))  # noqa: E731
+    gen = torch.Generator().manual_seed(3)
+    n_seq = INT8_MAX_ROWS + 1
+    seqs = [torch.randint(2, 500, (int(n),), generator=gen).tolist() for n in torch.randint(9, 16, (n_seq,), generator=gen)]
+    blocks = [list(range(8 * i, 8 * i + 8)) for i in range(n_seq)]
+    for eng in (fast, plain):
+        for i, s in enumerate(seqs):
+            _paged(eng, [SeqChunk(str(i), 0, s[:-3], blocks[i])], None)
+    pos = [len(s) - 3 for s in seqs]  # each sequence's next position
+    for rows in (1, 2, n_seq):  # decode steps of the first `rows` sequences
+        chunks = [SeqChunk(str(i), pos[i], seqs[i][pos[i]:pos[i] + 1], blocks[i]) for i in range(rows)]
+        for i in range(rows):
+            pos[i] += 1
+        n = len(ran)
+        got, ref = _paged(fast, chunks, counted), _paged(plain, chunks, None)
+        assert all(ran[n:]) == (rows <= INT8_MAX_ROWS) and any(ran[n:]) == (rows <= INT8_MAX_ROWS)
+        assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=1e-4)

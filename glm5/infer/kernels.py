@@ -21,6 +21,7 @@ from glm5.model.paged import AttnGroup, PagedContext
 from glm5.native import LayerSpec, NativeKernels, rows_stride
 
 from .layout import is_transposed
+from .quant import Int8Experts, Int8Linear
 
 
 class NativeExperts(Experts):
@@ -114,6 +115,9 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
 # 1 thread): 0.60 at 1 sequence, 0.76 at 4, 0.78 at 8, 0.85 at 16, 0.87 at 32, 0.92 at 64, 0.96 at 128;
 # 2 threads (wall): 0.76 at 8, 0.94 at 64.
 LAYER_MAX_ROWS = 128
+# ... and for layers with INT8 weights at most this many (their int8 kernel reads each weight row per input row:
+# a decode-sized kernel; larger steps run the modules' int8 GEMMs)
+INT8_MAX_ROWS = 8
 
 
 class NativeLayerKernel:
@@ -166,7 +170,7 @@ class NativeLayerKernel:
         if plan is None or plan.layer is not layer or not plan.valid():
             plan = self._plans[key] = layer_plan(layer, ik is not None)
         spec = plan.spec
-        if spec is None or meta.slot_mapping.dtype != torch.int64:
+        if spec is None or meta.slot_mapping.dtype != torch.int64 or (plan.int8 and N > INT8_MAX_ROWS):
             return None
         if self._keys is None or self._keys[0] is not g:
             self._keys = (g, g.key_slots.to(torch.int64).contiguous(),
@@ -205,6 +209,7 @@ class LayerPlan:
         self._mods: list[tuple[dict, str, nn.Module, type]] = []
         self._tensors: list[tuple[dict, str, torch.Tensor, int]] = []
         self._moe: MoE | None = None  # its use_reference flag (tests) sends the layer to the per-expert loop
+        self.int8 = False  # some of its weights are INT8 (glm5.infer.quant): decode steps of few rows only
 
     def mod(self, parent: nn.Module, name: str) -> nn.Module | None:
         child = parent._modules.get(name)
@@ -229,16 +234,25 @@ class LayerPlan:
         return True
 
 
-def _lin(plan: LayerPlan, parent: nn.Module, name: str, n_in: int, n_out: int) -> tuple[int, int | None] | None:
-    """(weight pointer, bias pointer or None) of a `NativeLinear` [n_out, n_in] stored [in, out] in fp32."""
+def _lin(plan: LayerPlan, parent: nn.Module, name: str, n_in: int, n_out: int,
+         int8: bool = True) -> tuple[int, int | None, int | None] | None:
+    """(weight, bias or None, scale or None) pointers of a `NativeLinear` [n_out, n_in] stored [in, out] in
+    fp32, or (int8=True) of an `Int8Linear` (int8 [out, in] row-major with per-output fp32 scales)."""
     mod = plan.mod(parent, name)
-    if type(mod) is not NativeLinear:
-        return None
-    w, b = plan.tensor(mod, "weight"), plan.tensor(mod, "bias")
-    if (type(w) is not nn.Parameter or w.dtype != torch.float32 or w.device.type != "cpu"
-            or tuple(w.shape) != (n_out, n_in) or w.stride() != (1, n_out) or (b is not None and not _f32(b, (n_out,)))):
-        return None
-    return w.data_ptr(), None if b is None else b.data_ptr()
+    if type(mod) is NativeLinear:
+        w, b = plan.tensor(mod, "weight"), plan.tensor(mod, "bias")
+        if (type(w) is not nn.Parameter or w.dtype != torch.float32 or w.device.type != "cpu"
+                or tuple(w.shape) != (n_out, n_in) or w.stride() != (1, n_out) or (b is not None and not _f32(b, (n_out,)))):
+            return None
+        return w.data_ptr(), None if b is None else b.data_ptr(), None
+    if int8 and type(mod) is Int8Linear:
+        w, sc, b = plan.tensor(mod, "weight_int8"), plan.tensor(mod, "scale"), plan.tensor(mod, "bias")
+        if (w is None or w.dtype != torch.int8 or w.device.type != "cpu" or tuple(w.shape) != (n_out, n_in)
+                or not w.is_contiguous() or not _f32(sc, (n_out,)) or (b is not None and not _f32(b, (n_out,)))):
+            return None
+        plan.int8 = True
+        return w.data_ptr(), None if b is None else b.data_ptr(), sc.data_ptr()
+    return None
 
 
 def _norm(plan: LayerPlan, parent: nn.Module, name: str, dim: int) -> tuple[int, float] | None:
@@ -275,18 +289,19 @@ def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec
              _norm(plan, att, "q_a_layernorm", QR), _lin(plan, att, "q_b_proj", QR, H * (E + P)),
              _lin(plan, att, "kv_a_proj_with_mqa", D, R + P), _norm(plan, att, "kv_a_layernorm", R),
              _lin(plan, att, "o_proj", H * V, D), _norm(plan, layer, "post_attention_layernorm", D)]
-    if any(p is None for p in parts):
+    if any(p is None for p in parts) or parts[3][1] is not None:
         return None
-    (ln_in, eps_in), (wqa, bqa), (ln_q, eps_q), (wqb, _), (wkva, bkva), (ln_kv, eps_kv), (wo, bo), (ln_post, eps_post) = parts
+    (ln_in, eps_in), (wqa, bqa, s_qa), (ln_q, eps_q), (wqb, _, s_qb), (wkva, bkva, s_kva), (ln_kv, eps_kv), \
+        (wo, bo, s_o), (ln_post, eps_post) = parts
     s = LayerSpec(D=D, QR=QR, H=H, E=E, P=P, V=V, R=R, rope_interleave=int(cfg.rope_interleave), eps_in=eps_in,
                   eps_q=eps_q, eps_kv=eps_kv, eps_post=eps_post, scale=att.scale, ln_in=ln_in, wqa=wqa, bqa=bqa,
                   ln_q=ln_q, wqb=wqb, wkva=wkva, bkva=bkva, ln_kv=ln_kv, kvb=kvw.data_ptr(), wo=wo, bo=bo,
-                  ln_post=ln_post)
+                  ln_post=ln_post, s_qa=s_qa, s_qb=s_qb, s_kva=s_kva, s_o=s_o)
     if index_key:
         ix = plan.mod(att, "indexer")
         NI, ID = ix.n_heads, ix.head_dim
-        wk, kn = _lin(plan, ix, "wk", D, ID), plan.mod(ix, "k_norm")
-        wqi, wwp = _lin(plan, ix, "wq_b", QR, NI * ID), _lin(plan, ix, "weights_proj", D, NI)
+        wk, kn = _lin(plan, ix, "wk", D, ID, int8=False), plan.mod(ix, "k_norm")
+        wqi, wwp = _lin(plan, ix, "wq_b", QR, NI * ID, int8=False), _lin(plan, ix, "weights_proj", D, NI, int8=False)
         if (wk is None or wqi is None or wwp is None or wqi[1] is not None or wwp[1] is not None
                 or type(kn) is not nn.LayerNorm or ix.rope_dim != P):
             return None
@@ -300,33 +315,47 @@ def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec
         plan._moe = mlp
         gate, ex, sh = plan.mod(mlp, "gate"), plan.mod(mlp, "experts"), plan.mod(mlp, "shared_experts")
         NE, A, EI = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        if (mlp.use_reference or type(gate) is not Router or type(ex) is not NativeExperts or type(sh) is not SwiGLU
-                or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64 or NE % max(cfg.n_group, 1)):
+        if (mlp.use_reference or type(gate) is not Router or type(ex) not in (NativeExperts, Int8Experts)
+                or type(sh) is not SwiGLU or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64
+                or NE % max(cfg.n_group, 1)):
             return None
         wr, rb = plan.tensor(gate, "weight"), plan.tensor(gate, "e_score_correction_bias")
-        gu, dn = plan.tensor(ex, "gate_up_proj"), plan.tensor(ex, "down_proj")
-        if not (_f32(wr, (NE, D)) and _f32(rb, (NE,)) and gu.dtype == dn.dtype == torch.float32
-                and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI) and is_transposed(gu) and is_transposed(dn)):
+        if not (_f32(wr, (NE, D)) and _f32(rb, (NE,))):
             return None
+        if type(ex) is NativeExperts:
+            gu, dn = plan.tensor(ex, "gate_up_proj"), plan.tensor(ex, "down_proj")
+            if not (gu.dtype == dn.dtype == torch.float32 and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI)
+                    and is_transposed(gu) and is_transposed(dn)):
+                return None
+            s.gu_es, s.dn_es = gu.stride(0), dn.stride(0)
+        else:  # Int8Experts: int8 [NE, 2EI, D] / [NE, D, EI] row-major, scales [NE, 2EI] / [NE, D]
+            gu, dn = plan.tensor(ex, "gate_up_int8"), plan.tensor(ex, "down_int8")
+            gs, ds = plan.tensor(ex, "gate_up_scale"), plan.tensor(ex, "down_scale")
+            if not (gu is not None and dn is not None and gu.dtype == dn.dtype == torch.int8 and gu.is_contiguous()
+                    and dn.is_contiguous() and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI)
+                    and _f32(gs, (NE, 2 * EI)) and _f32(ds, (NE, D))):
+                return None
+            s.s_gu, s.s_dn = gs.data_ptr(), ds.data_ptr()
+            plan.int8 = True
         SI = sh.gate_proj.out_features
         if SI:
             ffn = [_lin(plan, sh, "gate_proj", D, SI), _lin(plan, sh, "up_proj", D, SI), _lin(plan, sh, "down_proj", SI, D)]
             if any(f is None or f[1] is not None for f in ffn):
                 return None
-            s.wg, s.wu, s.wd = (f[0] for f in ffn)
+            (s.wg, _, s.s_g), (s.wu, _, s.s_u), (s.wd, _, s.s_d) = ffn
         s.NE, s.A, s.EI, s.SI = NE, A, EI, SI
         s.n_group, s.topk_group = cfg.n_group, cfg.topk_group
         s.softmax_scores, s.norm_topk = int(cfg.scoring_func == "softmax"), int(cfg.norm_topk_prob)
         s.temperature, s.scaling = cfg.router_temperature, cfg.routed_scaling_factor
         s.wr, s.rbias = wr.data_ptr(), rb.data_ptr()
-        s.gu, s.dn, s.gu_es, s.dn_es = gu.data_ptr(), dn.data_ptr(), gu.stride(0), dn.stride(0)
+        s.gu, s.dn = gu.data_ptr(), dn.data_ptr()
     elif type(mlp) is SwiGLU:
         FI = mlp.gate_proj.out_features
         ffn = [_lin(plan, mlp, "gate_proj", D, FI), _lin(plan, mlp, "up_proj", D, FI), _lin(plan, mlp, "down_proj", FI, D)]
         if not FI or any(f is None or f[1] is not None for f in ffn):
             return None
         s.FI = FI
-        s.wg, s.wu, s.wd = (f[0] for f in ffn)
+        (s.wg, _, s.s_g), (s.wu, _, s.s_u), (s.wd, _, s.s_d) = ffn
     else:
         return None
     return s

@@ -65,7 +65,8 @@ class LayerSpec(ctypes.Structure):
                                      "scale")]
                 + [(n, _P) for n in ("ln_in", "wqa", "bqa", "ln_q", "wqb", "wkva", "bkva", "ln_kv", "kvb", "wo", "bo",
                                      "wk", "ik_w", "ik_b", "ln_post", "wg", "wu", "wd", "wr", "rbias", "gu", "dn")]
-                + [("gu_es", _L), ("dn_es", _L), ("NI", _I), ("wqi", _P), ("wwp", _P)])
+                + [("gu_es", _L), ("dn_es", _L), ("NI", _I), ("wqi", _P), ("wwp", _P)]
+                + [(n, _P) for n in ("s_qa", "s_qb", "s_kva", "s_o", "s_g", "s_u", "s_d", "s_gu", "s_dn")])
 
 
 class NativeError(RuntimeError):

@@ -25,6 +25,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t vi8 __attribute__((vector_size(32), aligned(4)));
@@ -645,13 +648,58 @@ typedef struct {
     long gu_es, dn_es;
     int NI;                         /* indexer query heads (its queries: q_resid wqi, weights: x wwp) */
     const float *wqi, *wwp;
+    /* INT8 weights (glm5.infer.quant): a non-NULL scale [out] makes its weight an int8 [out, in] row-major
+     * matrix (Int8Linear) instead of fp32 [in, out]; s_gu / s_dn [NE][2EI] / [NE][D] for Int8Experts,
+     * whose gu / dn are then int8 [NE][2EI, D] / [NE][D, EI] */
+    const float *s_qa, *s_qb, *s_kva, *s_o, *s_g, *s_u, *s_d, *s_gu, *s_dn;
 } layer_t;
 
 /* y [R, N] = x [R, K] @ wt [K, N] (+ bias) on up to nt threads: for a few rows and a weight of at least
  * LIN_SPLIT floats, each thread streams its own contiguous band of weight rows (one core's stream reads
- * 14-17 GB/s here, two 26) into a partial sum, and the partials are added in thread order. */
+ * 14-17 GB/s here, two 26) into a partial sum, and the partials are added in thread order. A scale makes
+ * wt an int8 [N, K] weight (lin8, one thread). */
 #define LIN_SPLIT 65536
-static void lin(const float *x, int R, int K, const float *wt, int N, const float *bias, float *y, int nt) {
+/* y [R, N] = x [R, K] @ (w * scale)^T + bias for an int8 weight w [N, K] row-major with per-output scales
+ * (glm5.infer.quant.int8_linear's fp32 "dequant" arithmetic: fp32 activations, the products summed, then
+ * scaled): one weight row at a time (K bytes, a quarter of the fp32 stream), dotted with each input row. */
+/* 8 int8 weights as 8 floats (AVX2: one sign-extending load and one conversion; else element by element) */
+static inline v8 i8x8(const int8_t *w) {
+#ifdef __AVX2__
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+#else
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = (float)w[l];
+    return r;
+#endif
+}
+
+static void lin8(const float *x, int R, int K, const int8_t *w, const float *scale, int N, const float *bias,
+                 float *y) {
+    int kv = K / 16 * 16;
+    for (int n = 0; n < N; n++) {
+        const int8_t *wr = w + (long)n * K;
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + (long)r * K;
+            v8 a0 = {0}, a1 = {0};
+            int k = 0;
+            for (; k < kv; k += 16) {
+                a0 += i8x8(wr + k) * *(const v8 *)(xr + k);
+                a1 += i8x8(wr + k + 8) * *(const v8 *)(xr + k + 8);
+            }
+            a0 += a1;
+            float sum = a0[0] + a0[1] + a0[2] + a0[3] + a0[4] + a0[5] + a0[6] + a0[7];
+            for (; k < K; k++) sum += (float)wr[k] * xr[k];
+            y[(long)r * N + n] = bias ? sum * scale[n] + bias[n] : sum * scale[n];
+        }
+    }
+}
+
+static void lin(const float *x, int R, int K, const float *wt, const float *scale, int N, const float *bias, float *y,
+                int nt) {
+    if (scale) {
+        lin8(x, R, K, (const int8_t *)wt, scale, N, bias, y);
+        return;
+    }
     float *part = nt > 1 && R <= LIN_ROWS && (long)K * N >= LIN_SPLIT && K >= 8 * nt
                       ? malloc(sizeof(float) * (nt - 1) * (long)R * N) : NULL;
     if (!part) {
@@ -677,13 +725,12 @@ static void lin(const float *x, int R, int K, const float *wt, int N, const floa
 }
 
 /* SwiGLU down(silu(x wg) * (x wu)) for R rows into y [R, D]; buf holds 2 * R * F floats. */
-static void swiglu_rows(const float *x, int R, int D, int F, const float *wg, const float *wu, const float *wd,
-                        float *buf, float *y, int nt) {
+static void swiglu_rows(const layer_t *L, const float *x, int R, int D, int F, float *buf, float *y, int nt) {
     float *g = buf, *u = buf + (long)R * F;
-    lin(x, R, D, wg, F, NULL, g, nt);
-    lin(x, R, D, wu, F, NULL, u, nt);
+    lin(x, R, D, L->wg, L->s_g, F, NULL, g, nt);
+    lin(x, R, D, L->wu, L->s_u, F, NULL, u, nt);
     for (long i = 0; i < (long)R * F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    lin(g, R, F, wd, D, NULL, y, nt);
+    lin(g, R, F, L->wd, L->s_d, D, NULL, y, nt);
 }
 
 /* The router of one token: logits / scores [NE] out, the A chosen experts and their weights
@@ -827,11 +874,11 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
     int half = P / 2;
     /* attention inputs, this step's cache rows */
     glm5_rms_norm(x, D, L->ln_in, xn, N, D, L->eps_in);
-    lin(xn, (int)N, D, L->wqa, L->QR, L->bqa, qa, nt);
+    lin(xn, (int)N, D, L->wqa, L->s_qa, L->QR, L->bqa, qa, nt);
     glm5_rms_norm(qa, L->QR, L->ln_q, qa, N, L->QR, L->eps_q);
-    lin(qa, (int)N, L->QR, L->wqb, H * QW, NULL, q, nt);
+    lin(qa, (int)N, L->QR, L->wqb, L->s_qb, H * QW, NULL, q, nt);
     glm5_rope(q + E, QW, cs, sn, qr, N, H, P, L->rope_interleave);
-    lin(xn, (int)N, D, L->wkva, W, L->bkva, kva, nt);
+    lin(xn, (int)N, D, L->wkva, L->s_kva, W, L->bkva, kva, nt);
     for (long n = 0; n < N; n++) {
         float *row = lat + slot[n] * W;
         glm5_rms_norm(kva + n * W, W, L->ln_kv, row, 1, R, L->eps_kv);
@@ -839,7 +886,7 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
     }
     if (L->ID > 0) {
         const int ID = L->ID;
-        lin(xn, (int)N, D, L->wk, ID, NULL, kk, nt);
+        lin(xn, (int)N, D, L->wk, NULL, ID, NULL, kk, nt);
         for (long n = 0; n < N; n++) {
             float *k = kk + n * ID, mean = 0, var = 0;
             for (int j = 0; j < ID; j++) mean += k[j];
@@ -861,8 +908,8 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
             return 1;
         }
         float *wi = qi + N * NI * ID, *rot = wi + N * NI;
-        lin(qa, (int)N, L->QR, L->wqi, NI * ID, NULL, qi, nt);
-        lin(xn, (int)N, D, L->wwp, NI, NULL, wi, nt);
+        lin(qa, (int)N, L->QR, L->wqi, NULL, NI * ID, NULL, qi, nt);
+        lin(xn, (int)N, D, L->wwp, NULL, NI, NULL, wi, nt);
         for (long n = 0; n < N; n++) {
             float *qn = qi + n * NI * ID;
             glm5_rope(qn, ID, cs + n * half, sn + n * half, rot, 1, NI, IP, L->index_interleave);
@@ -897,24 +944,56 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
         free(buf);
         return rc;
     }
-    lin(o, (int)N, H * V, L->wo, D, L->bo, h, nt);
+    lin(o, (int)N, H * V, L->wo, L->s_o, D, L->bo, h, nt);
     for (long i = 0; i < N * D; i++) h[i] += x[i];
     glm5_rms_norm(h, D, L->ln_post, xn, N, D, L->eps_post);
     if (L->NE == 0) {
-        swiglu_rows(xn, (int)N, D, L->FI, L->wg, L->wu, L->wd, fb, m, nt);
+        swiglu_rows(L, xn, (int)N, D, L->FI, fb, m, nt);
     } else {
         const int NE = L->NE, A = L->A;
         for (long n = 0; n < N; n++) {
             route(L, xn + n * D, stats + n * 2 * NE, stats + n * 2 * NE + NE, idx + n * A, rw + n * A);
             for (int k = 0; k < A; k++) counts[idx[n * A + k]]++;
         }
-        rc = glm5_moe(xn, N, D, idx, rw, A, NE, L->EI, L->gu, L->gu_es, L->dn, L->dn_es, m, threads);
-        if (rc) {
-            free(buf);
-            return rc == 1 ? 1 : 3;
+        if (L->s_gu) { /* INT8 experts: each row's experts in id order, as the expert loop adds them */
+            const int EI = L->EI;
+            float *eb = malloc(sizeof(float) * (3L * EI + D));
+            if (!eb) {
+                free(buf);
+                return 1;
+            }
+            for (long n = 0; n < N; n++) {
+                int64_t ord[64];
+                float ow[64];
+                for (int j = 0; j < A; j++) { /* insertion sort of the row's experts by id */
+                    int64_t e = idx[n * A + j];
+                    float wj = rw[n * A + j];
+                    int i = j;
+                    while (i > 0 && ord[i - 1] > e) { ord[i] = ord[i - 1]; ow[i] = ow[i - 1]; i--; }
+                    ord[i] = e;
+                    ow[i] = wj;
+                }
+                float *mo = m + n * D;
+                memset(mo, 0, sizeof(float) * D);
+                for (int j = 0; j < A; j++) {
+                    const int64_t e = ord[j];
+                    float *g = eb, *u = eb + EI, *y = eb + 2L * EI;
+                    lin8(xn + n * D, 1, D, (const int8_t *)L->gu + e * 2L * EI * D, L->s_gu + e * 2L * EI, 2 * EI, NULL, g);
+                    for (int i = 0; i < EI; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+                    lin8(g, 1, EI, (const int8_t *)L->dn + e * (long)D * EI, L->s_dn + e * (long)D, D, NULL, y);
+                    for (int i = 0; i < D; i++) mo[i] += y[i] * ow[j];
+                }
+            }
+            free(eb);
+        } else {
+            rc = glm5_moe(xn, N, D, idx, rw, A, NE, L->EI, L->gu, L->gu_es, L->dn, L->dn_es, m, threads);
+            if (rc) {
+                free(buf);
+                return rc == 1 ? 1 : 3;
+            }
         }
         if (L->SI > 0) { /* the shared expert(s), added to the routed sum as MoE.forward does */
-            swiglu_rows(xn, (int)N, D, L->SI, L->wg, L->wu, L->wd, fb, out, nt);
+            swiglu_rows(L, xn, (int)N, D, L->SI, fb, out, nt);
             for (long i = 0; i < N * D; i++) m[i] += out[i];
         }
     }
