@@ -277,7 +277,7 @@ def bench_int8(model, args) -> None:
            fp32_weight_mb=quant.weight_bytes(model) / 2**20, int8_weight_mb=quant.weight_bytes(qmodel) / 2**20,
            memory_ratio=quant.weight_bytes(qmodel) / quant.weight_bytes(model))
     int8_quality(model, qmodel, args, "small_random")
-    if args.train_steps:
+    if args.train_steps and os.path.exists(os.path.join(args.train, "meta.json")):
         tiny = train_tiny(args)
         int8_quality(tiny, quant.quantize_model(copy.deepcopy(tiny), choice), args, "tiny_trained")
 
@@ -317,6 +317,9 @@ def train_tiny(args) -> GLM5ForCausalLM:
 
 @torch.inference_mode()
 def int8_quality(model, qmodel, args, label: str) -> None:
+    if not os.path.exists(os.path.join(args.validation, "meta.json")):  # the quality rows need tokenized text
+        record(f"int8_quality_{label}", skipped=f"no token shards at {args.validation}: run `glm5 data tokenize`")
+        return
     stream = token_stream(args.validation, args.ppl_tokens + 1)
     T = 256
     n = (stream.numel() - 1) // T
