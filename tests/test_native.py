@@ -286,7 +286,7 @@ def _paged(engine, chunks, layer_kernel):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, request):
     """`NativeLayerKernel` (a whole decoder layer per call) == the layer's own (native-swapped) modules on
-    decode steps of one and two rows (two sequences, or one sequence's two-token chunk): logits, the cache
+    decode steps of one and two rows (two sequences, or one sequence's two- and five-token chunks): logits, the cache
     rows written (latent and indexer key), router stats; options: softmax scores, no renormalisation, router
     temperature, attention biases, group-limited routing with a correction bias, several shared experts,
     half-split RoPE; DSA top-k selection (own indexer and a "shared" layer; the selections equal too); 1 and 2
@@ -316,8 +316,8 @@ def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, re
     steps = [[("a", 0, 11), ("b", 0, 5)], [("a", 11, 12), ("b", 5, 6)], [("a", 12, 13)]]  # prefill, 2 rows, 1 row
     seqs["b"] += [7]
     steps += [[("b", 6, 7)]]
-    seqs["a"] += [9, 10]
-    steps += [[("a", 13, 15)]]  # one sequence, a two-token chunk
+    seqs["a"] += [9, 10, 11, 12, 13, 14, 15]
+    steps += [[("a", 13, 15)], [("a", 15, 20)]]  # one sequence: a two-token chunk, a five-token chunk
     for step in steps:
         chunks = [SeqChunk(r, s, seqs[r][s:e], blocks[r]) for r, s, e in step]
         n = len(ran)
@@ -477,3 +477,20 @@ def test_decode_layer_kernel_on_int8_weights(kernels, opts):
         got, ref = _paged(fast, chunks, counted), _paged(plain, chunks, None)
         assert all(ran[n:]) == (rows <= INT8_MAX_ROWS) and any(ran[n:]) == (rows <= INT8_MAX_ROWS)
         assert torch.allclose(got.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_kernel_takes_a_short_prompt(kernels):
+    """A step holding one short prompt (<= LAYER_MAX_QUERIES tokens from position 0: causal within the chunk)
+    runs on the layer kernel and equals the modules: logits of every position, cache rows."""
+    from glm5.infer.input_batch import SeqChunk
+    from glm5.infer.kernels import LAYER_MAX_QUERIES
+    o = dict(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40, kernels="native")
+    fast, plain = (LLMEngine(EngineConfig(**o), model=tiny_model(seed=10)) for _ in range(2))
+    lk, ran = fast.runner.layer_kernel, []
+    prompt = [5, 9, 2, 7, 3, 8][:LAYER_MAX_QUERIES]
+    chunk = [SeqChunk("p", 0, prompt, list(range(4)))]
+    got = _paged(fast, chunk, lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))
+    ref = _paged(plain, chunk, None)
+    assert ran and all(ran) and got.logits.shape[1] == len(prompt)
+    assert torch.allclose(got.logits, ref.logits, atol=1e-5, rtol=1e-4)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fast.runner.cache.latent, plain.runner.cache.latent))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm5.model.attention import FUSED_MLA_MAX_ROWS
 from glm5.model.layers import RMSNorm, SwiGLU
 from glm5.model.moe import Experts, MoE, Router
 from glm5.model.paged import AttnGroup, PagedContext
@@ -115,6 +114,10 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
 # 1 thread): 0.60 at 1 sequence, 0.76 at 4, 0.78 at 8, 0.85 at 16, 0.87 at 32, 0.92 at 64, 0.96 at 128;
 # 2 threads (wall): 0.76 at 8, 0.94 at 64.
 LAYER_MAX_ROWS = 128
+# ... and at most this many per sequence (decode: 1; draft verification: 1 + drafts; a short prompt in a step of
+# its own). One sequence's chunk, CPU time layer kernel / modules on the bench checkpoint: 0.50 at 1 query,
+# 0.62 at 2, 0.70 at 4, 0.71 at 8.
+LAYER_MAX_QUERIES = 8
 # ... and for layers with INT8 weights at most this many (their int8 kernel reads each weight row per input row:
 # a decode-sized kernel; larger steps run the modules' int8 GEMMs)
 INT8_MAX_ROWS = 8
@@ -122,8 +125,8 @@ INT8_MAX_ROWS = 8
 
 class NativeLayerKernel:
     """The model's `LayerKernel` (glm5.model.paged) on `NativeKernels.decode_layer`: a whole decoder layer in
-    one native call for decode steps (at most `max_rows` rows, at most FUSED_MLA_MAX_ROWS per sequence: one
-    token, or one and a draft) in one identity group, attending every allowed key or, past `index_topk`
+    one native call for decode steps (at most `max_rows` rows, at most LAYER_MAX_QUERIES per sequence: one
+    token, a token and its drafts, a short prompt) in one identity group, attending every allowed key or, past `index_topk`
     keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection for a "shared"
     indexer layer). It applies when the layer is exactly the plain served form: native-swapped norms /
     linear layers / experts in fp32 with [in, out]-stored weights, a plain kv_b_proj, a top-k MoE (sigmoid
@@ -148,7 +151,7 @@ class NativeLayerKernel:
         g = meta.groups[0]
         att = layer.self_attn
         T = g.q_index.shape[1]
-        if not g.is_identity or T > FUSED_MLA_MAX_ROWS:
+        if not g.is_identity or T > LAYER_MAX_QUERIES:
             return None
         topk, sel_in = 0, None
         if att.needs_selection(g.num_keys):  # DSA top-k: the layer's own indexer, or the previous layer's keys

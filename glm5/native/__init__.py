@@ -15,6 +15,7 @@ Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention),
   * `NativeKernels.mla_decode`: the same from the un-absorbed query, W_uk and W_uv included (MLAttention's
     absorbed path: absorb_q, dense_latent_attention, latent_to_heads),
+  * `NativeKernels.linear`: a few rows through an [in, out]-stored linear layer (torch.nn.functional.linear),
   * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm),
   * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope),
   * `NativeKernels.decode_layer`: a whole decoder layer for decode steps, built from the kernels above
