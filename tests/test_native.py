@@ -282,6 +282,8 @@ def _paged(engine, chunks, layer_kernel):
     dict(hidden_size=256, q_lora_rank=256, moe_intermediate_size=256, intermediate_size=512),  # >= LIN_SPLIT weights
     dict(index_topk=8),  # DSA top-k past 8 keys: the layers' own indexers
     dict(index_topk=6, indexer_types=["full", "full", "shared"]),  # ... and a layer reusing the previous selection
+    dict(moe_type="soft"),  # MLPs the kernel leaves to DecoderLayer.feed_forward after its attention half
+    dict(moe_capacity_factor=1.0, index_topk=8),
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, request):
@@ -342,12 +344,13 @@ def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, re
 
 
 def test_decode_layer_kernel_steps_aside(kernels):
-    """Where the whole-layer kernel does not apply it returns None and the layer's modules run: a top-k
-    window+global selector, a capacity factor, soft MoE, training (a DSA top-k selection it runs itself)."""
+    """Where the whole-layer kernel does not apply it returns None and the layer's modules run (the
+    window+global selector, training), or it runs the attention half and `feed_forward` the rest (a
+    capacity factor, soft MoE); a DSA top-k selection it runs itself."""
     from glm5.infer.input_batch import SeqChunk
     opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=40, max_model_len=150, kernels="native")
     for kw, expect in [({}, True), (dict(index_topk=8), True), (dict(sparse_attention="window"), False),
-                       (dict(moe_capacity_factor=1.5), False), (dict(moe_type="soft"), False)]:
+                       (dict(moe_capacity_factor=1.5), True), (dict(moe_type="soft"), True)]:
         eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4, **kw))
         lk, ran = eng.runner.layer_kernel, []
         ids = list(range(3, 23))
@@ -356,7 +359,8 @@ def test_decode_layer_kernel_steps_aside(kernels):
                lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))
         assert ran and all(ran) == expect and any(ran) == expect, kw
     from glm5.infer.kernels import layer_plan
-    assert layer_plan(eng.model.model.layers[1], True).spec is None  # soft MoE
+    soft = layer_plan(eng.model.model.layers[1], True)  # soft MoE: the attention half only
+    assert soft.spec is not None and not soft.mlp_native
     eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4))
     layer = eng.model.model.layers[1]
     plan = layer_plan(layer, True)
@@ -379,8 +383,10 @@ def test_decode_layer_kernel_steps_aside(kernels):
     layer.mlp.use_reference = True
     assert not plan.valid()
     layer.mlp.use_reference = False
-    layer.mlp.shared_experts.up_proj = torch.nn.Linear(64, 32)  # a swapped module
-    assert not plan.valid() and layer_plan(layer, True).spec is None
+    layer.mlp.shared_experts.up_proj = torch.nn.Linear(64, 32)  # a swapped module: the MLP is left to the modules
+    assert not plan.valid() and not layer_plan(layer, True).mlp_native
+    layer.self_attn.o_proj = torch.nn.Linear(64, 64)  # ... in the attention: the whole layer is
+    assert layer_plan(layer, True).spec is None
 
 
 def test_decode_layer_kernel_on_a_wide_decode_batch(kernels):
@@ -417,7 +423,7 @@ def test_decode_layer_kernel_refuses_bad_keys_before_writing(kernels):
     real = eng.kernels.decode_layer
     eng.kernels.decode_layer = lambda *a: seen.append(a) or real(*a)
     _paged(eng, [SeqChunk("s", len(ids) - 1, ids[-1:], list(range(4)))], lk)
-    spec, x, cos, sin, slot_mapping, lat, ik, slots, bias, lens, T, topk, sel_in = seen[2]  # layer 2: own top-k
+    spec, x, cos, sin, slot_mapping, lat, ik, slots, bias, lens, T, topk, sel_in, _ = seen[2]  # layer 2: own top-k
     assert topk == 4 and sel_in is None
     before = [lat.clone(), ik.clone()]
     bad = [dict(slot_mapping=torch.tensor([lat.shape[0]])), dict(slots=slots + lat.shape[0]),

@@ -130,10 +130,12 @@ class NativeLayerKernel:
     keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection for a "shared"
     indexer layer). It applies when the layer is exactly the plain served form: native-swapped norms /
     linear layers / experts in fp32 with [in, out]-stored weights, a plain kv_b_proj, a top-k MoE (sigmoid
-    or softmax scores, group-limited or not) without a capacity factor, no per-row adapters, no requests
-    pinned to an older expert version, fp32 caches. Otherwise it returns None and the layer runs its own
-    modules (the same values; tests/test_native.py compares the two). Per decode step it replaces ~100
-    PyTorch ops per layer with one call."""
+    or softmax scores, group-limited or not) without a capacity factor, no per-row adapters, fp32 caches.
+    An MLP it does not run (soft MoE, a capacity factor, offloaded experts, ...) or a step with rows pinned
+    to an older expert version gets the attention half from the kernel and `DecoderLayer.feed_forward` for
+    the rest. Otherwise it returns None and the layer runs its own modules (the same values;
+    tests/test_native.py compares the two). Per decode step it replaces ~100 PyTorch ops per layer with one
+    call."""
 
     def __init__(self, kernels: NativeKernels, max_rows: int = LAYER_MAX_ROWS):
         self.kernels, self.max_rows = kernels, max_rows
@@ -145,7 +147,7 @@ class NativeLayerKernel:
         meta, cache = ctx.meta, ctx.cache
         N = meta.num_tokens
         if (N > self.max_rows or len(meta.groups) != 1 or meta.adapter_ids is not None
-                or meta.pinned_rows is not None or torch.is_grad_enabled() or x.dtype != torch.float32
+                or torch.is_grad_enabled() or x.dtype != torch.float32
                 or x.device.type != "cpu" or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())):
             return None
         g = meta.groups[0]
@@ -179,15 +181,20 @@ class NativeLayerKernel:
             self._keys = (g, g.key_slots.to(torch.int64).contiguous(),
                           torch.tensor(g.key_lens or [g.num_keys] * g.key_slots.shape[0], dtype=torch.int64))
         _, slots, lens = self._keys
+        # the MoE module runs the rows pinned to an older expert version (hot swap), and MLPs the kernel lacks
+        attn_only = not plan.mlp_native or meta.pinned_rows is not None
         out, stats, idx, counts, sel = self.kernels.decode_layer(
             spec, x.view(N, -1), cos.view(N, -1), sin.view(N, -1), meta.slot_mapping, lat, ik, slots, g.key_bias,
-            lens, T, topk, sel_in)
+            lens, T, topk, sel_in, attn_only)
         if not topk:
             sels = [None]
         elif sel_in is not None:
             sels = prev_sel  # a shared layer hands the previous selection on, as the modules do
         else:
             sels = [(sel.clamp(min=0).view(N // T, T, topk), (sel >= 0).view(N // T, T, topk))]
+        if attn_only:
+            h, router_stats = layer.feed_forward(out.view(1, N, -1), ctx)
+            return h, sels, router_stats
         if stats is None:
             return out.view(1, N, -1), sels, None
         return out.view(1, N, -1), sels, {"router_logits": stats[:, 0], "scores": stats[:, 1], "topk_idx": idx,
@@ -213,6 +220,7 @@ class LayerPlan:
         self._tensors: list[tuple[dict, str, torch.Tensor, int]] = []
         self._moe: MoE | None = None  # its use_reference flag (tests) sends the layer to the per-expert loop
         self.int8 = False  # some of its weights are INT8 (glm5.infer.quant): decode steps of few rows only
+        self.mlp_native = True  # False: the kernel runs the attention half, DecoderLayer.feed_forward the rest
 
     def mod(self, parent: nn.Module, name: str) -> nn.Module | None:
         child = parent._modules.get(name)
@@ -280,7 +288,7 @@ def layer_plan(layer: nn.Module, index_key: bool) -> LayerPlan:
 def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec | None:
     att, mlp = plan.mod(layer, "self_attn"), plan.mod(layer, "mlp")
     cfg = att.cfg
-    if layer.training or cfg.moe_type != "topk" or cfg.moe_capacity_factor is not None:
+    if layer.training:
         return None
     D, QR, H = cfg.hidden_size, cfg.q_lora_rank, att.n_heads
     E, P, V, R = att.nope, att.rope, att.v_dim, att.kv_rank
@@ -314,8 +322,24 @@ def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec
         s.ID, s.IP, s.index_interleave, s.wk = ID, ix.rope_dim, int(ix.rope_interleave), wk[0]
         s.NI, s.wqi, s.wwp = NI, wqi[0], wwp[0]
         s.ik_w, s.ik_b, s.eps_ik = knw.data_ptr(), knb.data_ptr(), float(kn.eps)
+    fields = _mlp_fields(plan, mlp, cfg, D)
+    if fields is None:
+        plan.mlp_native = False
+    else:
+        for name, value in fields.items():
+            setattr(s, name, value)
+    return s
+
+
+def _mlp_fields(plan: LayerPlan, mlp: nn.Module, cfg, D: int) -> dict | None:
+    """The spec's MLP fields (the router and experts, or the dense SwiGLU), or None when the kernel does not run
+    this MLP (soft MoE, a capacity factor, offloaded or LoRA experts, ...): the layer then runs
+    `DecoderLayer.feed_forward` after the kernel's attention."""
+    out: dict = {}
     if isinstance(mlp, MoE):
         plan._moe = mlp
+        if cfg.moe_type != "topk" or cfg.moe_capacity_factor is not None:
+            return None
         gate, ex, sh = plan.mod(mlp, "gate"), plan.mod(mlp, "experts"), plan.mod(mlp, "shared_experts")
         NE, A, EI = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         if (mlp.use_reference or type(gate) is not Router or type(ex) not in (NativeExperts, Int8Experts)
@@ -330,7 +354,7 @@ def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec
             if not (gu.dtype == dn.dtype == torch.float32 and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI)
                     and is_transposed(gu) and is_transposed(dn)):
                 return None
-            s.gu_es, s.dn_es = gu.stride(0), dn.stride(0)
+            out.update(gu_es=gu.stride(0), dn_es=dn.stride(0))
         else:  # Int8Experts: int8 [NE, 2EI, D] / [NE, D, EI] row-major, scales [NE, 2EI] / [NE, D]
             gu, dn = plan.tensor(ex, "gate_up_int8"), plan.tensor(ex, "down_int8")
             gs, ds = plan.tensor(ex, "gate_up_scale"), plan.tensor(ex, "down_scale")
@@ -338,27 +362,25 @@ def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec
                     and dn.is_contiguous() and gu.shape == (NE, 2 * EI, D) and dn.shape == (NE, D, EI)
                     and _f32(gs, (NE, 2 * EI)) and _f32(ds, (NE, D))):
                 return None
-            s.s_gu, s.s_dn = gs.data_ptr(), ds.data_ptr()
+            out.update(s_gu=gs.data_ptr(), s_dn=ds.data_ptr())
             plan.int8 = True
         SI = sh.gate_proj.out_features
         if SI:
             ffn = [_lin(plan, sh, "gate_proj", D, SI), _lin(plan, sh, "up_proj", D, SI), _lin(plan, sh, "down_proj", SI, D)]
             if any(f is None or f[1] is not None for f in ffn):
                 return None
-            (s.wg, _, s.s_g), (s.wu, _, s.s_u), (s.wd, _, s.s_d) = ffn
-        s.NE, s.A, s.EI, s.SI = NE, A, EI, SI
-        s.n_group, s.topk_group = cfg.n_group, cfg.topk_group
-        s.softmax_scores, s.norm_topk = int(cfg.scoring_func == "softmax"), int(cfg.norm_topk_prob)
-        s.temperature, s.scaling = cfg.router_temperature, cfg.routed_scaling_factor
-        s.wr, s.rbias = wr.data_ptr(), rb.data_ptr()
-        s.gu, s.dn = gu.data_ptr(), dn.data_ptr()
+            out.update(wg=ffn[0][0], s_g=ffn[0][2], wu=ffn[1][0], s_u=ffn[1][2], wd=ffn[2][0], s_d=ffn[2][2])
+        out.update(NE=NE, A=A, EI=EI, SI=SI, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                 softmax_scores=int(cfg.scoring_func == "softmax"), norm_topk=int(cfg.norm_topk_prob),
+                 temperature=cfg.router_temperature, scaling=cfg.routed_scaling_factor, wr=wr.data_ptr(),
+                 rbias=rb.data_ptr(), gu=gu.data_ptr(), dn=dn.data_ptr())
     elif type(mlp) is SwiGLU:
         FI = mlp.gate_proj.out_features
         ffn = [_lin(plan, mlp, "gate_proj", D, FI), _lin(plan, mlp, "up_proj", D, FI), _lin(plan, mlp, "down_proj", FI, D)]
         if not FI or any(f is None or f[1] is not None for f in ffn):
             return None
-        s.FI = FI
-        (s.wg, _, s.s_g), (s.wu, _, s.s_u), (s.wd, _, s.s_d) = ffn
+        out["FI"] = FI
+        out.update(wg=ffn[0][0], s_g=ffn[0][2], wu=ffn[1][0], s_u=ffn[1][2], wd=ffn[2][0], s_d=ffn[2][2])
     else:
         return None
-    return s
+    return out

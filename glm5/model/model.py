@@ -58,12 +58,16 @@ class DecoderLayer(nn.Module):
             if done is not None:
                 return done
         a, sel = self.self_attn(self.input_layernorm(x), cos, sin, ctx, prev_sel)
-        h = x + a
+        out, stats = self.feed_forward(x + a, ctx)
+        return out, sel, stats
+
+    def feed_forward(self, h, ctx: MaskSpec | PagedContext) -> tuple[torch.Tensor, dict | None]:
+        """The block's second half: h + MLP(RMSNorm(h)) -> (hidden, router stats dict or None)."""
         hn = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
             m, stats = self.mlp(hn, ctx if isinstance(ctx, PagedContext) else None)
-            return h + m, sel, stats
-        return h + self.mlp(hn), sel, None
+            return h + m, stats
+        return h + self.mlp(hn), None
 
 
 class SharedHead(nn.Module):

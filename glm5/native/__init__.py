@@ -50,8 +50,8 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
     "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
-    "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _I],
-                          _I),
+    "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P,
+                           _I], _I),
 }
 
 
@@ -280,20 +280,21 @@ class NativeKernels:
     def decode_layer(self, spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_mapping: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor | None,
                      key_slots: torch.Tensor, bias: torch.Tensor, lens: torch.Tensor, T: int, topk: int = 0,
-                     sel_in: torch.Tensor | None = None, threads: int | None = None):
+                     sel_in: torch.Tensor | None = None, attn_only: bool = False, threads: int | None = None):
         """A whole decoder layer (`DecoderLayer.forward` over a paged step) for the N rows of x [N, D] (items
         b * T + t of B = N / T sequences): cos / sin [N, P/2] the rows' RoPE angles; this step's cache rows
         written to latent [rows, R+P] (and index_k [rows, ID] when the spec has an indexer key) at
         slot_mapping [N]; attention over key_slots [B, S] / bias [B, T, S] / lens [B] (int64; see
         `latent_decode`), restricted when topk > 0 to a top-k selection of keys per row: `sel_in` [N, topk]
-        (key indices, -1 = none; a "shared" indexer layer) or the layer's own (DSA indexer). The caller
+        (key indices, -1 = none; a "shared" indexer layer) or the layer's own (DSA indexer). attn_only: out is
+        x + attention (the MLP left to the caller; no router outputs). The caller
         (NativeLayerKernel) built `spec` from the layer and checked dtypes, layouts and shapes; the kernel
         checks the slots and selections. -> (out [N, D], stats [N, 2, NE] router logits / scores, idx [N, A],
         counts [NE], sel [N, topk]); the MoE entries are None for a dense layer, sel None without topk."""
         N = x.shape[0]
         S = key_slots.shape[1]
         out = torch.empty_like(x)
-        moe = spec.NE > 0
+        moe = spec.NE > 0 and not attn_only
         stats = torch.empty(N, 2, spec.NE) if moe else None
         idx = torch.empty(N, spec.A, dtype=torch.int64) if moe else None
         counts = torch.zeros(spec.NE, dtype=torch.int64) if moe else None
@@ -305,7 +306,8 @@ class NativeKernels:
                                         None if index_k is None else index_k.data_ptr(), N // T, T,
                                         key_slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(),
                                         None if sel_in is None else sel_in.data_ptr(),
-                                        None if sel_out is None else sel_out.data_ptr(), topk, out.data_ptr(),
+                                        None if sel_out is None else sel_out.data_ptr(), topk, int(attn_only),
+                                        out.data_ptr(),
                                         None if stats is None else stats.data_ptr(),
                                         None if idx is None else idx.data_ptr(),
                                         None if counts is None else counts.data_ptr(), threads or torch.get_num_threads())

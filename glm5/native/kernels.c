@@ -849,13 +849,15 @@ static void index_topk(const float *q, const float *w, int NI, int ID, const flo
  * the rows' RoPE angles. K > 0: attention over a DSA top-K selection of keys instead of every allowed one:
  * the rows' selections sel_in [N, K] (key indices, -1 = none: a "shared" indexer layer reusing the previous
  * layer's), or this layer's own (the indexer queries from q_resid and x, `index_topk` over the cached
- * indexer keys) written to sel_out [N, K]. MoE layers also return each row's router logits and scores
+ * indexer keys) written to sel_out [N, K]. attn_only: stop after the attention's residual (out = x + attention,
+ * for an MLP this kernel does not run). MoE layers also return each row's router logits and scores
  * (stats [N, 2, NE]), chosen experts idx [N, A], and add one per assignment to counts [NE]. Returns as
  * glm5_latent_decode; 3 for more than 1024 experts or 64 per token. */
 int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs, const float *sn,
                       const int64_t *slot, float *lat, long rows, float *ik, long B, long T, const int64_t *slots,
                       long S, const float *bias, const int64_t *lens, const int64_t *sel_in, int64_t *sel_out,
-                      long K, float *out, float *stats, int64_t *idx, int64_t *counts, int threads) {
+                      long K, int attn_only, float *out, float *stats, int64_t *idx, int64_t *counts,
+                      int threads) {
     const int D = L->D, H = L->H, E = L->E, P = L->P, R = L->R, V = L->V, W = R + P, QW = E + P;
     const int nt = n_threads(threads);
     if (L->NE > 1024 || L->A > 64) return 3;
@@ -946,6 +948,11 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
     }
     lin(o, (int)N, H * V, L->wo, L->s_o, D, L->bo, h, nt);
     for (long i = 0; i < N * D; i++) h[i] += x[i];
+    if (attn_only) { /* the caller runs the block's second half (DecoderLayer.feed_forward) */
+        memcpy(out, h, sizeof(float) * N * D);
+        free(buf);
+        return 0;
+    }
     glm5_rms_norm(h, D, L->ln_post, xn, N, D, L->eps_post);
     if (L->NE == 0) {
         swiglu_rows(L, xn, (int)N, D, L->FI, fb, m, nt);
