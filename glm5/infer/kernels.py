@@ -126,9 +126,9 @@ INT8_MAX_ROWS = 8
 class NativeLayerKernel:
     """The model's `LayerKernel` (glm5.model.paged) on `NativeKernels.decode_layer`: a whole decoder layer in
     one native call for decode steps (at most `max_rows` rows, at most LAYER_MAX_QUERIES per sequence: one
-    token, a token and its drafts, a short prompt) in one identity group, attending every allowed key or, past `index_topk`
-    keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection for a "shared"
-    indexer layer). It applies when the layer is exactly the plain served form: native-swapped norms /
+    token, a token and its drafts, a short prompt) in one identity group, attending every allowed key or,
+    past `index_topk` keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection
+    for a "shared" indexer layer). It applies when the layer is exactly the plain served form: native-swapped norms /
     linear layers / experts in fp32 with [in, out]-stored weights, a plain kv_b_proj, a top-k MoE (sigmoid
     or softmax scores, group-limited or not) without a capacity factor, no per-row adapters, fp32 caches.
     An MLP it does not run (soft MoE, a capacity factor, offloaded experts, ...) or a step with rows pinned
@@ -168,7 +168,8 @@ class NativeLayerKernel:
         lat, ik = cache.latent[layer.layer_idx], cache.index_k[layer.layer_idx]
         if att.indexer is None:
             ik = None
-        if lat.dtype != torch.float32 or (ik is not None and ik.dtype != torch.float32) or (topk and sel_in is None and ik is None):
+        if (lat.dtype != torch.float32 or (ik is not None and ik.dtype != torch.float32)
+                or (topk and sel_in is None and ik is None)):
             return None
         key = (id(layer), ik is not None)
         plan = self._plans.get(key)

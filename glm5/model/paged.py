@@ -83,8 +83,9 @@ class ExpertShadow:
 class LayerKernel(Protocol):
     """Runs one decoder layer (`glm5.model.model.DecoderLayer`) over a paged step in one go when it can,
     with the layer's contract: x [1, N, hidden] and the previous layer's per-group selections -> (out
-    [1, N, hidden], per-group selections, router stats or None); None when it does not apply (the layer then runs its own modules). The native CPU kernel
-    (glm5/infer/kernels.py) implements it for decode steps of a few rows."""
+    [1, N, hidden], per-group selections, router stats or None); None when it does not apply (the layer
+    then runs its own modules). The native CPU kernel (glm5/infer/kernels.py) implements it for decode
+    steps."""
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx: "PagedContext", prev_sel: list | None = None) -> tuple[torch.Tensor, list, dict | None] | None: ...
