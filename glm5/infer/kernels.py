@@ -17,7 +17,7 @@ from torch import nn
 from glm5.model.layers import RMSNorm, SwiGLU
 from glm5.model.moe import Experts, MoE, Router
 from glm5.model.paged import AttnGroup, PagedContext
-from glm5.native import LayerSpec, NativeKernels, rows_stride
+from glm5.native import LayerSpec, NativeKernels, key_table, rows_stride
 
 from .layout import is_transposed
 from .quant import Int8Experts, Int8Linear
@@ -178,9 +178,8 @@ class NativeLayerKernel:
         spec = plan.spec
         if spec is None or meta.slot_mapping.dtype != torch.int64 or (plan.int8 and N > INT8_MAX_ROWS):
             return None
-        if self._keys is None or self._keys[0] is not g:
-            self._keys = (g, g.key_slots.to(torch.int64).contiguous(),
-                          torch.tensor(g.key_lens or [g.num_keys] * g.key_slots.shape[0], dtype=torch.int64))
+        if self._keys is None or self._keys[0] is not g:  # once per step: every layer attends the same keys
+            self._keys = (g, *key_table(g.key_slots, g.key_lens, g.key_slots.shape[0]))
         _, slots, lens = self._keys
         # the MoE module runs the rows pinned to an older expert version (hot swap), and MLPs the kernel lacks
         attn_only = not plan.mlp_native or meta.pinned_rows is not None

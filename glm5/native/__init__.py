@@ -193,7 +193,7 @@ class NativeKernels:
         _check(bias, "bias", (B, T, S))
         if not 0 < kv_rank <= W:
             raise ValueError(f"kv_rank {kv_rank} must be in (0, {W}]")
-        slots, lens = _keys(key_slots, key_lens, B)
+        slots, lens = key_table(key_slots, key_lens, B)
         out = qq.new_empty(B, T, H, kv_rank)
         rc = self.lib.glm5_latent_decode(qq.data_ptr(), B, T, H, W, latent.data_ptr(), latent.shape[0],
                                          slots.data_ptr(), S, bias.data_ptr(), lens.data_ptr(), kv_rank, scale,
@@ -222,7 +222,7 @@ class NativeKernels:
         qn = q_nope.reshape(B * T, H, E)  # a view when the rows are evenly spaced
         if qn.stride(-1) != 1:
             qn = qn.contiguous()
-        slots, lens = _keys(key_slots, key_lens, B)
+        slots, lens = key_table(key_slots, key_lens, B)
         out = q_rope.new_empty(B, T, H, V)
         rc = self.lib.glm5_mla_decode(qn.data_ptr(), qn.stride(0), qn.stride(1), q_rope.data_ptr(), kv_b.data_ptr(),
                                       E, V, P, B, T, H, latent.data_ptr(), latent.shape[0], slots.data_ptr(), S,
@@ -336,8 +336,8 @@ def rows_stride(x: torch.Tensor) -> int | None:
 _KEYS_REFUSED = "a key slot outside [0, {rows}) or a key length outside [0, {S}]"
 
 
-def _keys(key_slots: torch.Tensor, key_lens: list[int] | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention kernels' key tables: slots [B, S] int64 contiguous, lens [B] int64 (None: S each)."""
+def key_table(key_slots: torch.Tensor, key_lens: list[int] | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention kernels' key tables (`latent_decode`, `mla_decode`, `decode_layer`): slots [B, S] int64 contiguous, lens [B] int64 (None: S each)."""
     S = key_slots.shape[1]
     slots = key_slots.to(torch.int64).contiguous()
     lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)
