@@ -500,11 +500,11 @@ static int keys_ok(long B, long T, long S, const int64_t *slots, const int64_t *
     return 0;
 }
 
-/* The query rows of B sequences x T (items i = b * T + t) over their keys; see the two entry points. */
+/* The query rows of B sequences x T (items i = b * T + t) over their keys; see the entry points, which
+ * check the key tables and selections first (keys_ok; a layer's own top-k only picks allowed keys). */
 static int latent_items(const float *q, const absorb_t *ab, long B, long T, int H, int W, const float *lat,
-                        long rows, const int64_t *slots, long S, const float *bias, const int64_t *lens, int R,
+                        const int64_t *slots, long S, const float *bias, const int64_t *lens, int R,
                         float scale, const int64_t *sel, long K, float *out, int threads) {
-    if (keys_ok(B, T, S, slots, lens, rows, sel, K)) return 2;
     long items = B * T;
     int nt = n_threads(threads);
     if (nt > items) nt = (int)(items ? items : 1);
@@ -553,7 +553,8 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
 int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float *lat, long rows,
                        const int64_t *slots, long S, const float *bias, const int64_t *lens, int R, float scale,
                        float *out, int threads) {
-    return latent_items(q, NULL, B, T, H, W, lat, rows, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
+    if (keys_ok(B, T, S, slots, lens, rows, NULL, 0)) return 2;
+    return latent_items(q, NULL, B, T, H, W, lat, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
 }
 
 /* The same attention from the un-absorbed query: q_nope [B*T, H, E] (item stride qn_si, head stride qn_sh,
@@ -563,8 +564,9 @@ int glm5_latent_decode(const float *q, long B, long T, int H, int W, const float
 int glm5_mla_decode(const float *q_nope, long qn_si, long qn_sh, const float *q_rope, const float *kvb, int E,
                     int V, int P, long B, long T, int H, const float *lat, long rows, const int64_t *slots, long S,
                     const float *bias, const int64_t *lens, int R, float scale, float *out, int threads) {
+    if (keys_ok(B, T, S, slots, lens, rows, NULL, 0)) return 2;
     absorb_t ab = {q_nope, q_rope, kvb, qn_si, qn_sh, E, V, P};
-    return latent_items(NULL, &ab, B, T, H, R + P, lat, rows, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
+    return latent_items(NULL, &ab, B, T, H, R + P, lat, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -941,7 +943,7 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
         sel = sel_out;
     }
     absorb_t ab = {q, qr, L->kvb, (long)H * QW, QW, E, V, P};
-    int rc = latent_items(NULL, &ab, B, T, H, W, lat, rows, slots, S, bias, lens, R, L->scale, sel, K, o, threads);
+    int rc = latent_items(NULL, &ab, B, T, H, W, lat, slots, S, bias, lens, R, L->scale, sel, K, o, threads);
     if (rc) {
         free(buf);
         return rc;
