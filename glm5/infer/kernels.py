@@ -128,9 +128,10 @@ class NativeLayerKernel:
     one native call for decode steps (at most `max_rows` rows, at most LAYER_MAX_QUERIES per sequence: one
     token, a token and its drafts, a short prompt) in one identity group, attending every allowed key or,
     past `index_topk` keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection
-    for a "shared" indexer layer). It applies when the layer is exactly the plain served form: native-swapped norms /
-    linear layers / experts in fp32 with [in, out]-stored weights, a plain kv_b_proj, a top-k MoE (sigmoid
-    or softmax scores, group-limited or not) without a capacity factor, no per-row adapters, fp32 caches.
+    for a "shared" indexer layer). It applies when the layer is exactly the plain served form:
+    native-swapped norms / linear layers / experts in fp32 with [in, out]-stored weights, a plain
+    kv_b_proj, a top-k MoE (sigmoid or softmax scores, group-limited or not) without a capacity factor, no
+    per-row adapters, fp32 caches.
     An MLP it does not run (soft MoE, a capacity factor, offloaded experts, ...) or a step with rows pinned
     to an older expert version gets the attention half from the kernel and `DecoderLayer.feed_forward` for
     the rest. Otherwise it returns None and the layer runs its own modules (the same values;
@@ -173,7 +174,7 @@ class NativeLayerKernel:
             return None
         key = (id(layer), ik is not None)
         plan = self._plans.get(key)
-        if plan is None or plan.layer is not layer or not plan.valid():
+        if plan is None or not plan.valid():  # (a plan holds its layer: its id is not reused)
             plan = self._plans[key] = layer_plan(layer, ik is not None)
         spec = plan.spec
         if spec is None or meta.slot_mapping.dtype != torch.int64 or (plan.int8 and N > INT8_MAX_ROWS):
