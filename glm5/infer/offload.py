@@ -20,7 +20,6 @@ from glm5.core.io import LazyTensors, safetensors_files
 from glm5.model.config import ModelConfig
 from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import cast_model, dequantize_fp8, load_hf_state_dict
-from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
 from glm5.model.moe import ExpertLoop, swiglu
 
@@ -122,7 +121,7 @@ def load_offloaded(path: str | Path, dtype: torch.dtype = torch.float32, device=
             mlp.experts = OffloadedExperts(cfg, layer.layer_idx, tensors, cache, dtype, device, block)
     model.to_empty(device=device)
     cast_model(model, dtype)
-    model.model.inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta))
+    model.model.inv_freq.copy_(cfg.rope_inv_freq())
     load_hf_state_dict(model, tensors, strict=False)
     model.generation_config = GenerationConfig.from_pretrained(path) or model.generation_config
     return model.eval()

@@ -176,8 +176,10 @@ class ModelConfig:
                  f"token ids must be integers in [0, vocab_size={self.vocab_size})")
         rp = self.rope_parameters
         need(isinstance(rp, dict) and "rope_theta" in rp, "rope_parameters", "needs a 'rope_theta' entry")
-        need(rp.get("rope_type", "default") == "default", "rope_parameters",
-             "only rope_type 'default' is supported (GLM-5 uses no yarn)")
+        need(rp.get("rope_type", "default") in ("default", "longrope"), "rope_parameters",
+             "only rope_type 'default' or 'longrope' (per-pair frequencies) is supported (GLM-5 uses no yarn)")
+        if rp.get("rope_type") == "longrope":
+            self._check_longrope(rp, need)
         n = self.num_hidden_layers
         need(len(self.indexer_types) == n, "indexer_types", f"needs {n} entries (num_hidden_layers)")
         need(set(self.indexer_types) <= {"full", "shared"}, "indexer_types", "entries must be 'full'/'shared'")
@@ -185,6 +187,28 @@ class ModelConfig:
         need(len(self.mlp_layer_types) == n, "mlp_layer_types", f"needs {n} entries (num_hidden_layers)")
         need(set(self.mlp_layer_types) <= {"dense", "sparse"}, "mlp_layer_types",
              "entries must be 'dense'/'sparse'")
+
+    def _check_longrope(self, rp: dict, need) -> None:
+        """`longrope` as a way to set each rotary pair's frequency (a converted Llama's shared rope key):
+        factors that never change with the position and no cos/sin scaling, so every position computes
+        the same angles in glm5 and in transformers."""
+        half = self.qk_rope_head_dim // 2
+        for key in ("short_factor", "long_factor"):
+            f = rp.get(key)
+            need(isinstance(f, list) and len(f) == half and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f), "rope_parameters",
+                f"longrope needs '{key}': a list of qk_rope_head_dim / 2 = {half} positive numbers")
+        orig = rp.get("original_max_position_embeddings")
+        need(isinstance(orig, int) and orig > 0, "rope_parameters",
+             "longrope needs 'original_max_position_embeddings' (a positive integer)")
+        need(rp["short_factor"] == rp["long_factor"] or self.max_position_embeddings <= orig, "rope_parameters",
+             "longrope with long_factor != short_factor past original_max_position_embeddings changes the "
+             "frequencies with the sequence length; not supported")
+        factor = rp.get("factor") or self.max_position_embeddings / orig
+        attention_factor = rp.get("attention_factor", 1.0 if factor <= 1.0 else None)
+        need(attention_factor == 1.0, "rope_parameters",
+             "longrope with an attention_factor other than 1.0 (cos/sin scaling) is not supported: "
+             "set 'attention_factor': 1.0")
 
     # --- (de)serialisation -------------------------------------------------------------------------
     @classmethod
@@ -275,6 +299,20 @@ class ModelConfig:
     @property
     def rope_theta(self) -> float:
         return float(self.rope_parameters["rope_theta"])
+
+    @property
+    def rope_factors(self) -> list[float] | None:
+        """Per-pair frequency divisors (`longrope`'s short_factor; checked equal to long_factor where
+        that one would apply), or None for the `default` rope type."""
+        if self.rope_parameters.get("rope_type") == "longrope":
+            return [float(x) for x in self.rope_parameters["short_factor"]]
+        return None
+
+    def rope_inv_freq(self, device=None):
+        """The rotary inverse frequencies [qk_rope_head_dim / 2], fp32, as transformers computes them."""
+        from .layers import rope_inv_freq
+
+        return rope_inv_freq(self.qk_rope_head_dim, self.rope_theta, device, self.rope_factors)
 
     @property
     def moe_layers(self) -> list[int]:

@@ -21,7 +21,6 @@ from glm5.core.io import CheckpointError, LazyTensors, check_finite, safetensors
 
 from .config import ModelConfig
 from .generation_config import GenerationConfig
-from .layers import rope_inv_freq
 from .model import GLM5ForCausalLM
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -173,8 +172,10 @@ def build_empty(cfg: ModelConfig, device="cpu", dtype=torch.float32,
     with torch.device("meta"):
         model = model_cls(cfg)
     model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty allocates each module's parameters apart: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
     cast_model(model, dtype)
-    model.model.inv_freq.copy_(rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta))
+    model.model.inv_freq.copy_(cfg.rope_inv_freq())
     return model
 
 

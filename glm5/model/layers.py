@@ -60,9 +60,14 @@ class _RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
-def rope_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/dim), i < dim/2 (the `default` rope type)."""
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+def rope_inv_freq(dim: int, theta: float, device=None, factors: list[float] | None = None) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/dim), i < dim/2 (the `default` rope type); with `factors` (the
+    `longrope` type's per-pair `short_factor`) 1 / (factor_i * theta^(2i/dim)), computed as transformers'
+    `_compute_longrope_parameters` does, so any per-pair frequencies can be set exactly."""
+    if factors is None:
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * theta**shape)
 
 
 def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from torch import nn
 from .attention import MLAttention
 from .config import ModelConfig
 from .generation_config import GenerationConfig
-from .layers import RMSNorm, SwiGLU, rope_angles, rope_inv_freq
+from .layers import RMSNorm, SwiGLU, rope_angles
 from .kv_cache import LatentKVCache
 from .masks import MaskSpec
 from .moe import MoE
@@ -110,7 +110,7 @@ class GLM5Model(nn.Module):
         if cfg.block_position_embedding:
             n_blocks = cfg.max_block_positions or cfg.max_position_embeddings + 1
             self.block_position_embeddings = nn.Embedding(n_blocks, cfg.hidden_size)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+        self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
     @property
     def main_layers(self) -> list[nn.Module]:
@@ -164,7 +164,7 @@ class GLM5ForCausalLM(nn.Module):
         for name, b in self.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()
-        self.model.inv_freq.copy_(rope_inv_freq(self.config.qk_rope_head_dim, self.config.rope_theta))
+        self.model.inv_freq.copy_(self.config.rope_inv_freq())
         return self
 
     # --- forward --------------------------------------------------------------------------------------

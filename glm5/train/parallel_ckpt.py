@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from glm5.core import dist as gdist
 from glm5.core.io import atomic_dir, atomic_write_text
 from glm5.model.hf_adapter import save_pretrained
-from glm5.model.layers import rope_inv_freq
 from glm5.model.model import GLM5ForCausalLM
 
 from .checkpoint import load_state, rng_state, save_state, set_rng_state, step_dirs
@@ -125,7 +124,7 @@ def gather_model(model: nn.Module) -> GLM5ForCausalLM | None:
         plain = GLM5ForCausalLM(cfg)
     plain.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()},
                           strict=True, assign=True)
-    plain.model.inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)  # non-persistent buffer
+    plain.model.inv_freq = cfg.rope_inv_freq()  # non-persistent buffer
     if cfg.tie_word_embeddings:
         plain.lm_head.weight = plain.model.embed_tokens.weight
     return plain
