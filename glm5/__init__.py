@@ -13,6 +13,7 @@ _LAZY = {
     "GenerationConfig": "glm5.model.generation_config",
     "LLM": "glm5.infer.llm",
     "SamplingParams": "glm5.infer.sampling",
+    "embedded_model": "glm5.apps.embedded",  # the embedded default model's directory, built on first use
 }
 
 

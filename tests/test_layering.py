@@ -1,7 +1,9 @@
 """The import-direction rule: a module imports only from its own or lower layers.
 
-core < model | data < train | infer < finetune | serve | eval | distill < apps < cli. `apps` (the OCR agent)
-builds on every library layer and adds routes to the server, so it sits above `serve`. `model` and `data` never import
+core < model | data < convert < train | infer < finetune | serve | eval | distill < apps < cli. `convert`
+(other architectures rewritten as GLM-5) reads model files and tokenizers, so it sits on model and data.
+`apps` (the OCR agent, the embedded default model) builds on every library layer and adds routes to the
+server, so it sits above `serve`. `model` and `data` never import
 each other; `model/` is pure math (no I/O modules besides core). Parsed with `ast`, so it also sees
 imports inside functions.
 """
@@ -10,7 +12,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "glm5"
-LEVEL = {"core": 0, "model": 1, "data": 1, "train": 2, "infer": 2, "finetune": 3, "serve": 3,
+LEVEL = {"core": 0, "model": 1, "data": 1, "convert": 1.5, "train": 2, "infer": 2, "finetune": 3, "serve": 3,
          "eval": 3, "distill": 3, "apps": 4, "cli": 5}
 FORBIDDEN_SAME_LEVEL = {("model", "data"), ("data", "model"), ("train", "infer"), ("infer", "train")}
 

@@ -23,7 +23,8 @@ def parse(argv):
     ap = argparse.ArgumentParser(prog="glm5 eval", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="TOML with [[models]] and [[tasks]] (see configs/eval/)")
-    ap.add_argument("--model", help="checkpoint directory, preset, or http(s):// server URL")
+    ap.add_argument("--model", help="checkpoint directory, preset, or http(s):// server URL (default: the "
+                    "embedded model bundled:smollm2-glm5)")
     ap.add_argument("--task", choices=["ppl", "mmlu", "mmlu_continuation", "ceval", "humaneval", "exact", "queries"])
     ap.add_argument("--data", help="task file or directory (default: the bundled set)")
     ap.add_argument("--output", help="OUT.json (default: runs/eval/TASK.json)")
@@ -62,7 +63,8 @@ def config_from_flags(args):
     if not args.task:
         raise ConfigError("give --task (or --config)")
     if not args.model and not (args.task == "humaneval" and args.samples):
-        raise ConfigError("give --model (only humaneval --samples runs without one)")
+        from glm5.cli.models import resolve_model  # noqa: PLC0415 (builds the embedded model on first use)
+        args.model = resolve_model(None)
     task = TaskConfig(task=args.task, data=args.data, split=args.split, num_fewshot=args.num_fewshot, limit=args.limit,
                       samples=args.samples, n=args.n, k=[int(k) for k in args.k.split(",")],
                       temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, regex=args.regex,

@@ -19,7 +19,9 @@ import sys
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="glm5 generate", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint directory or preset name (tiny, small, ...)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name (tiny, small, ...); default: the embedded "
+                        "model bundled:smollm2-glm5 (SmolLM2-135M-Instruct in GLM-5 architecture)")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat using the chat template")
     p.add_argument("--system", default=None, help="system message for --interactive")
@@ -38,7 +40,8 @@ def parse_args(argv):
     p.add_argument("--infill-format", choices=["auto", "glm", "spm", "psm"], default="auto",
                    help="infill prompt format (auto: FIM tokens if the tokenizer has them, else GLM [MASK])")
     p.add_argument("--quantization", choices=["int8"], default=None, help="weight-only INT8")
-    p.add_argument("--speculative-num-tokens", type=int, default=0, help="MTP draft tokens per step")
+    p.add_argument("--speculative-num-tokens", type=int, default=None,
+                   help="MTP draft tokens per step (default: 0; 1 for the embedded model)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--max-session-len", type=int, default=None, help="--interactive: history token limit")
@@ -58,13 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     from glm5.infer.sampling import SamplingParams  # noqa: PLC0415
     # one prompt (or one beam per request): size the default KV cache for a few full-length sequences,
     # not the engine's 256 (max_model_len is the model's whole context unless given)
-    opts = dict(quantization=args.quantization, speculative_num_tokens=args.speculative_num_tokens,
+    from glm5.cli.models import EMBEDDED_SPECULATIVE_TOKENS, is_embedded, resolve_model  # noqa: PLC0415
+    spec = args.speculative_num_tokens
+    if spec is None:
+        spec = EMBEDDED_SPECULATIVE_TOKENS if is_embedded(args.model) and args.beam_width <= 1 else 0
+    model = resolve_model(args.model)
+    opts = dict(quantization=args.quantization, speculative_num_tokens=spec,
                 max_model_len=args.max_model_len, max_session_len=args.max_session_len,
                 session_policy=args.session_policy, max_num_seqs=max(4, 2 * (args.beam_width or 1)))
     if args.device:
         opts["device"] = args.device
     tune_malloc()
-    llm = LLM(args.model, **opts)
+    llm = LLM(model, **opts)
     beam = args.beam_width > 1
     stopping = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if beam else args.temperature,

@@ -23,7 +23,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("images", nargs="+", help="image files (PNG, JPEG, WebP, BMP, TIFF, GIF)")
     p.add_argument("--format", choices=["md", "json", "txt"], default="md", help="output format (default md)")
     p.add_argument("--rounds", type=int, default=2, help="correction rounds (default 2)")
-    p.add_argument("--model", default=None, help="glm5 checkpoint for the language-model rounds")
+    p.add_argument("--model", default=None, help="glm5 checkpoint for the language-model rounds (default: the "
+                   "embedded model bundled:smollm2-glm5)")
+    p.add_argument("--no-model", action="store_true", help="skip the language-model rounds")
     p.add_argument("--threshold", type=float, default=None, help="confidence under which a line is doubtful")
     p.add_argument("--lm-weight", type=float, default=None, help="language model weight vs the recogniser")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0 = default)")
@@ -40,12 +42,17 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = {k: v for k, v in (("threshold", args.threshold), ("lm_weight", args.lm_weight)) if v is not None}
     try:
-        agent = OcrAgent(OcrConfig(rounds=args.rounds, model=args.model, num_threads=args.threads, **opts))
+        model = args.model
+        if args.rounds >= 2 and not args.no_model:
+            from glm5.cli.models import resolve_model  # noqa: PLC0415
+            model = resolve_model(model)
+        agent = OcrAgent(OcrConfig(rounds=args.rounds, model=None if args.no_model else model,
+                                   num_threads=args.threads, **opts))
     except (ValueError, FileNotFoundError, OcrUnavailable) as e:
         print(f"glm5 ocr: {e}", file=sys.stderr)
         return 2
-    if args.rounds >= 2 and args.model is None:
-        print("glm5 ocr: no --model: the language-model rounds are skipped", file=sys.stderr)
+    if args.rounds >= 2 and args.no_model:
+        print("glm5 ocr: --no-model: the language-model rounds are skipped", file=sys.stderr)
     outputs, failed = [], 0
     for path in args.images:
         try:

@@ -27,7 +27,9 @@ SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerConfig)}
 
 def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     p = argparse.ArgumentParser(prog="glm5 serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint directory or preset name")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or preset name; default: the embedded model bundled:smollm2-glm5 "
+                        "(SmolLM2-135M-Instruct in GLM-5 architecture, built on first use)")
     p.add_argument("--config", help="TOML with [engine] and [server] tables")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
@@ -43,7 +45,11 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
         raise ConfigError(f"unknown config table(s) {sorted(unknown)}; expected [engine] and [server]")
     engine_d, server_d = dict(d.get("engine", {})), dict(d.get("server", {}))
     apply_overrides(d := {"engine": engine_d, "server": server_d}, _qualify(_pairs(rest)))
-    engine_d["model"] = args.model
+    from glm5.cli.models import EMBEDDED_SPECULATIVE_TOKENS, embedded_name, is_embedded, resolve_model
+    if is_embedded(args.model):
+        engine_d.setdefault("speculative_num_tokens", EMBEDDED_SPECULATIVE_TOKENS)
+        server_d.setdefault("served_model_name", embedded_name())
+    engine_d["model"] = resolve_model(args.model)
     if args.lora:
         engine_d["lora_modules"] = {**engine_d.get("lora_modules", {}), **_lora_pairs(args.lora)}
     for key, value in (("host", args.host), ("port", args.port), ("served_model_name", args.served_model_name),

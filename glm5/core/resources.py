@@ -9,16 +9,20 @@ the repository root, so a wheel or `pip install .` works from any directory. Lay
 
 A config argument is a path when that file exists, else the name of a packaged config: `train/tiny`,
 `train/tiny.toml` and the README's `configs/train/tiny.toml` all name the same packaged file. A path
-value written `bundled:<name>` (in configs and on the command line) names a bundled asset.
-stdlib only.
+value written `bundled:<name>` (in configs and on the command line) names a bundled asset; a few names are
+models built on first use from an installed package and cached (`bundled:smollm2-glm5`, see
+glm5/apps/embedded.py), found here once built. stdlib only.
 """
 
 from __future__ import annotations
 
+import os
 from importlib.resources import files
 from pathlib import Path
 
 BUNDLED_PREFIX = "bundled:"
+# Models built on first use (not shipped as files): name -> cache version (bumped when the recipe changes).
+BUILT_MODELS = {"smollm2-glm5": 1}
 
 
 def package_dir(*parts: str) -> Path:
@@ -71,8 +75,28 @@ def bundled(name: str) -> Path:
 
 
 def resolve_path(value: str | Path) -> Path:
-    """A path from a config or the command line: `bundled:<name>` -> the bundled asset, else as given."""
+    """A path from a config or the command line: `bundled:<name>` -> the bundled asset (or the cached
+    build of a built model), else as given."""
     text = str(value)
     if text.startswith(BUNDLED_PREFIX):
-        return bundled(text[len(BUNDLED_PREFIX):])
+        name = text[len(BUNDLED_PREFIX):]
+        if name in BUILT_MODELS:
+            path = built_model_dir(name)
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"{text} is built on first use and is not built yet: run `glm5 quickstart` (or any glm5 "
+                    f"command without --model), or call glm5.embedded_model() in Python")
+            return path
+        return bundled(name)
     return Path(value)
+
+
+def cache_dir() -> Path:
+    """Where built models and compiled kernels are cached: $GLM5_CACHE, else ~/.cache/glm5."""
+    env = os.environ.get("GLM5_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "glm5"
+
+
+def built_model_dir(name: str) -> Path:
+    """The cache directory of a built model (it may not exist yet)."""
+    return cache_dir() / "models" / f"{name}-v{BUILT_MODELS[name]}"

@@ -62,7 +62,7 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
 def load_model(config: EngineConfig) -> GLM5ForCausalLM:
     """A checkpoint directory, or a preset name (random init seeded by config.seed)."""
     dtype = getattr(torch, config.dtype)
-    path = Path(config.model)
+    path = model_path(config.model)
     offload = config.max_resident_experts is not None or config.expert_cache_bytes is not None
     if offload and not path.is_dir():
         raise ValueError(f"expert offload memory-maps experts from a checkpoint directory; {config.model!r} "
@@ -78,11 +78,16 @@ def load_model(config: EngineConfig) -> GLM5ForCausalLM:
     return cast_model(model, dtype).to(config.device).eval()
 
 
-def load_tokenizer_for(model_path: str, vocab_size: int):
+def model_path(model: str) -> Path:
+    """`EngineConfig.model` as a path: `bundled:NAME` resolved (the embedded model's cache), else as given."""
+    return resolve_path(model) if str(model).startswith("bundled:") else Path(model)
+
+
+def load_tokenizer_for(model: str, vocab_size: int):
     """The checkpoint's tokenizer; for presets, the bundled 8k tokenizer if it fits the vocabulary.
     None (token ids only) when there is none."""
     from glm5.data.tokenizer import load_tokenizer  # noqa: PLC0415 (data layer, optional at runtime)
-    path = Path(model_path)
+    path = model_path(model)
     candidates = [path] if path.is_dir() else [resolve_path(BUNDLED_TOKENIZER)]
     for c in candidates:
         try:
