@@ -134,9 +134,16 @@ def _read_hf_dir(path: Path) -> LlamaSource:
     except json.JSONDecodeError as e:
         raise ConversionError(f"{path / 'config.json'}: invalid JSON: {e}") from None
     _check_model_type(raw.get("model_type"), path)
+    if quant := raw.get("quantization_config"):
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConversionError(f"{path}: cannot embed exactly: a quantized checkpoint (quantization_config "
+                              f"{method!r}); convert its dequantised weights")
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(path)
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ConversionError(f"{path / 'config.json'}: transformers cannot read it: {e}") from None
     files = safetensors_files(path)
     if not files:
         raise ConversionError(f"{path}: no safetensors files (pickled .bin checkpoints are never loaded)")
@@ -184,13 +191,16 @@ def _source(cfg, origin: str, tensor, names: frozenset[str], tok_dir: Path | Non
     if getattr(cfg, "mlp_bias", False):
         refuse("MLP biases (GLM-5's experts have none)")
     window = getattr(cfg, "sliding_window", None)
-    if mt == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-        window = None
+    if mt == "qwen2" and (not getattr(cfg, "use_sliding_window", False)
+                          or "sliding_attention" not in (getattr(cfg, "layer_types", None) or [])):
+        window = None  # Qwen2 slides only in its "sliding_attention" layers (i >= max_window_layers)
     if window is not None and window < cfg.max_position_embeddings:
         refuse(f"sliding-window attention (sliding_window={window} < max_position_embeddings="
                f"{cfg.max_position_embeddings})")
-    if getattr(cfg, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        refuse(f"partial rotary embeddings (partial_rotary_factor={cfg.partial_rotary_factor})")
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    for partial in (getattr(cfg, "partial_rotary_factor", None), rp.get("partial_rotary_factor")):
+        if partial not in (None, 1.0):
+            refuse(f"partial rotary embeddings (partial_rotary_factor={partial})")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
     if cfg.num_attention_heads % n_kv:
@@ -202,7 +212,13 @@ def _source(cfg, origin: str, tensor, names: frozenset[str], tok_dir: Path | Non
     inv_freq = _source_inv_freq(cfg, head_dim, refuse)
     qkv_bias = mt == "qwen2" or bool(getattr(cfg, "attention_bias", False))
     o_bias = mt != "qwen2" and bool(getattr(cfg, "attention_bias", False))
-    theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
+    theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 1e4)))
+
+    def get(name: str) -> torch.Tensor:
+        if name not in names:
+            raise ConversionError(f"{origin}: no tensor {name!r} (a truncated or renamed {mt} checkpoint?)")
+        return tensor(name)
+
     return LlamaSource(
         origin=origin, model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
@@ -211,7 +227,7 @@ def _source(cfg, origin: str, tensor, names: frozenset[str], tok_dir: Path | Non
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) or "lm_head.weight" not in names,
         qkv_bias=qkv_bias, o_bias=o_bias, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-        pad_token_id=getattr(cfg, "pad_token_id", None), tensor=tensor, tensor_names=names,
+        pad_token_id=getattr(cfg, "pad_token_id", None), tensor=get, tensor_names=names,
         tokenizer_dir=tok_dir, generation_config=gen)
 
 
@@ -230,23 +246,38 @@ def _source_inv_freq(cfg, head_dim: int, refuse) -> list[float]:
         return inv.tolist()
     if rope_type not in ROPE_INIT_FUNCTIONS:
         refuse(f"rope_type {rope_type!r}")
-    inv, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    try:
+        inv, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    except (KeyError, TypeError, ValueError) as e:
+        refuse(f"rope_type {rope_type!r} with rope_parameters {rp} (transformers cannot compute them: {e!r})")
     if attention_factor != 1.0:
-        refuse(f"rope_type {rope_type!r} with attention scaling {attention_factor}")
+        refuse(f"rope_type {rope_type!r} with attention scaling {attention_factor} (cos/sin scaled)")
+    if inv.shape != (head_dim // 2,) or not bool((inv > 0).all() and inv.isfinite().all()):
+        refuse(f"rope_type {rope_type!r}: rotary frequencies that are not {head_dim // 2} positive numbers "
+               "(non-rotated pairs)")
     return inv.float().tolist()
 
 
 # --- the GLM-5 config ------------------------------------------------------------------------------------
-def glm5_config(src: LlamaSource, opts: ConvertOptions) -> ModelConfig:
-    """The GLM-5 (`glm_moe_dsa`) config that holds `src` exactly."""
-    L, H = src.num_hidden_layers, src.hidden_size
-    rope_dim = src.num_key_value_heads * src.head_dim
-    first_dense = min(opts.first_k_dense_replace, L)
+def check_options(opts: ConvertOptions) -> None:
+    """ConversionError naming the first impossible option (checked before the source is read)."""
     if opts.n_routed_experts < 1 or not 1 <= opts.num_experts_per_tok <= opts.n_routed_experts:
         raise ConversionError(f"num_experts_per_tok={opts.num_experts_per_tok} must be in [1, n_routed_experts="
                               f"{opts.n_routed_experts}]")
     if opts.qk_nope_head_dim < 1:
         raise ConversionError(f"qk_nope_head_dim={opts.qk_nope_head_dim} must be >= 1")
+    if opts.first_k_dense_replace < 0:
+        raise ConversionError(f"first_k_dense_replace={opts.first_k_dense_replace} must be >= 0")
+    if opts.index_n_heads is not None and opts.index_n_heads < 1:
+        raise ConversionError(f"index_n_heads={opts.index_n_heads} must be >= 1")
+
+
+def glm5_config(src: LlamaSource, opts: ConvertOptions) -> ModelConfig:
+    """The GLM-5 (`glm_moe_dsa`) config that holds `src` exactly."""
+    L, H = src.num_hidden_layers, src.hidden_size
+    rope_dim = src.num_key_value_heads * src.head_dim
+    first_dense = min(opts.first_k_dense_replace, L)
+    check_options(opts)
     factors = _rope_factors(src, rope_dim)
     exact = ["embeddings", "attention (MLA holding GQA)", "dense MLP layers", "MoE layers (upcycled)", "lm_head"]
     return ModelConfig(
@@ -417,6 +448,7 @@ def convert_llama(src: str | Path, out: str | Path, opts: ConvertOptions | None 
     """Convert `src` and write a GLM-5 checkpoint to `out` atomically (config.json, safetensors, the
     source's tokenizer and chat template, generation_config.json). Nothing is written on refusal."""
     opts = opts or ConvertOptions()
+    check_options(opts)
     with tempfile.TemporaryDirectory(prefix="glm5-convert-") as work:
         source = read_source(src, Path(work))
         log(f"read {source.origin}: {source.model_type}, {source.num_hidden_layers} layers, hidden "
