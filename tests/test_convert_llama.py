@@ -255,8 +255,16 @@ def test_cli_user_mistakes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
-    assert main(["convert", str(tmp_path / "llama"), out, "--experts", "2"]) == 2  # a --from-llama option
-    assert "--experts: only with --from-llama" in capsys.readouterr().err
+    # GLM-5 mode (FP8 dequantisation / re-sharding): --from-llama options and other architectures refused
+    for args, message in (([str(tmp_path / "llama"), out, "--experts", "2"], "--experts: only with --from-llama"),
+                          ([str(tmp_path / "llama"), out], "a 'llama' checkpoint, not GLM-5: convert it with "
+                                                           "--from-llama"),
+                          ([str(tmp_path / "qwen3"), out], "'qwen3' is not a GLM-5 checkpoint"),
+                          ([str(tmp_path / "missing"), out], "No such file or directory")):
+        assert main(["convert", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ConversionError, match="q_norm"):  # --debug: the traceback
         main(["convert", "--from-llama", str(tmp_path / "qwen3"), out, "--debug"])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 LLAMA_DTYPES = ("float32", "bfloat16")
 LLAMA_ONLY = {"experts": "--experts", "experts_per_token": "--experts-per-token", "first_dense": "--first-dense",
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     except (ConversionError, ConfigError, FileNotFoundError, NotADirectoryError) as e:
         if args.debug:
             raise
-        print(f"glm5 convert: {e}", file=sys.stderr)
+        print(f"glm5 convert: {e}".replace("\n", " "), file=sys.stderr)
         return 2
     print(json.dumps(summary))
     return 0
@@ -77,9 +78,26 @@ def convert_glm5(args: argparse.Namespace) -> dict:
     given = [flag for key, flag in LLAMA_ONLY.items() if getattr(args, key) not in (None, False)]
     if given:
         raise ConversionError(f"{', '.join(given)}: only with --from-llama")
+    _check_glm5_source(Path(args.src))
     dtype = args.dtype or "bfloat16"
     return convert_checkpoint(args.src, args.dst, None if dtype == "keep" else getattr(torch, dtype),
                               args.max_shard_size or "5GB")
+
+
+def _check_glm5_source(src: Path) -> None:
+    """GLM-5 mode reads any config.json as GLM-5's (unknown keys kept): refuse another architecture's."""
+    from glm5.convert.llama import REFUSED, SUPPORTED, ConversionError  # noqa: PLC0415
+    from glm5.model.config import EXT_IDENTITY, HF_IDENTITY  # noqa: PLC0415
+
+    try:
+        model_type = json.loads((src / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # convert_checkpoint names the problem
+    if model_type in SUPPORTED:
+        raise ConversionError(f"{src}: a {model_type!r} checkpoint, not GLM-5: convert it with --from-llama")
+    if model_type not in (None, HF_IDENTITY[0], EXT_IDENTITY[0]):
+        hint = f" ({REFUSED[model_type]} cannot be embedded exactly)" if model_type in REFUSED else ""
+        raise ConversionError(f"{src}: model_type {model_type!r} is not a GLM-5 checkpoint ({HF_IDENTITY[0]}){hint}")
 
 
 def convert_from_llama(args: argparse.Namespace) -> dict:

@@ -17,7 +17,8 @@ COMMANDS = {
     "plan": ("plan", "plan a parallel run: per-GPU memory, communication, step time (`glm5 plan --preset glm-5 ...`)"),
     "generate": ("generate", "generate text: `glm5 generate --model PATH --prompt ...`"),
     "serve": ("serve", "OpenAI-compatible server: `glm5 serve --model PATH`"),
-    "convert": ("convert", "checkpoint conversion (HF <-> glm5, FP8 dequantisation)"),
+    "convert": ("convert", "FP8 dequantisation / re-sharding; `glm5 convert --from-llama SRC OUT`: Llama, Mistral, "
+                           "Qwen2 -> GLM-5 (exact)"),
     "finetune": ("finetune", "LoRA / prefix / full fine-tuning: `glm5 finetune --config configs/finetune/lora.toml`"),
     "merge": ("merge", "fold a LoRA adapter into its base: `glm5 merge BASE ADAPTER OUT`"),
     "eval": ("eval", "evaluate: `glm5 eval --model PATH_OR_URL --task mmlu --data DIR --output OUT.json`"),
