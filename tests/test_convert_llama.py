@@ -211,13 +211,13 @@ def test_cli_converts_with_options_and_replaces_out(tmp_path, capsys):
     out.mkdir()
     (out / "stale.txt").write_text("old")
     argv = ["convert", "--from-llama", str(tmp_path / "src"), str(out), "--experts", "3", "--experts-per-token",
-            "3", "--first-dense", "2", "--no-mtp"]
+            "3", "--first-dense", "2", "--no-mtp", "--qk-nope-head-dim", "8", "--index-heads", "2"]
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["experts"] == 3
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["first_k_dense_replace"],
-            cfg["num_nextn_predict_layers"]) == (3, 3, 2, 0)
+            cfg["num_nextn_predict_layers"], cfg["qk_nope_head_dim"], cfg["index_n_heads"]) == (3, 3, 2, 0, 8, 2)
     assert not (out / "stale.txt").exists()
     ids, pos = _inputs()
     with torch.no_grad():
