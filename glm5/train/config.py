@@ -96,6 +96,13 @@ class TrainSection:
     """One process on CPU: keep gradient buffers allocated between steps (zeroed, not freed; gradients a
     step does not touch are still skipped by the optimizer). Saves re-faulting the freed pages every step
     (~9% of a `small` step) at the cost of holding the gradients' memory during the forward pass."""
+    trainable: Literal["all", "mtp", "indexer"] = "all"
+    """What trains; the rest is frozen (requires_grad False, not in the optimizer, its MoE biases fixed):
+    `mtp` = the MTP layer(s) on a frozen trunk (run under no_grad; tied embedding and lm_head frozen),
+    `indexer` = the DSA lightning indexers by KL to the frozen model's dense attention."""
+    mtp_target: Literal["data", "self"] = "data"
+    """MTP loss: `data` = cross entropy against token t+2; `self` = self-distillation, KL(trunk's own
+    next-token distribution at t+1 || MTP at t), detached target: maximises speculative acceptance."""
 
 
 @dataclass(kw_only=True)
@@ -233,3 +240,15 @@ class TrainConfig:
             raise ValueError(f"train.objectives: unknown objective(s) {sorted(unknown)}; use clm, glm, fim")
         if self.train.grad_accum < 1 or self.train.steps < 1:
             raise ValueError("train.steps and train.grad_accum must be >= 1")
+        if self.train.trainable == "mtp" and self.train.mtp_weight <= 0:
+            raise ValueError("train.trainable = 'mtp' needs train.mtp_weight > 0 (the MTP loss is all that trains)")
+        if self.train.mtp_target == "self" and self.train.trainable == "indexer":
+            raise ValueError("train.mtp_target = 'self' trains the MTP layer; train.trainable = 'indexer' freezes it")
+        if self.train.mtp_target == "self" and self.train.mtp_weight <= 0:
+            raise ValueError("train.mtp_target = 'self' needs train.mtp_weight > 0 (0 turns the MTP layer off)")
+        if self.train.trainable != "all" and set(self.train.objectives) != {"clm"}:
+            raise ValueError(f"train.trainable = {self.train.trainable!r} trains on causal-LM batches only: "
+                             f"set train.objectives = {{clm = 1.0}} (got {sorted(self.train.objectives)})")
+        if self.train.trainable != "all" and self.dsa.indexer_warmup_steps > 0:
+            raise ValueError("dsa.indexer_warmup_steps > 0 trains the indexers before step 0; with "
+                             f"train.trainable = {self.train.trainable!r} set it to 0")

@@ -117,6 +117,10 @@ class SyntheticData(DataSource):
 
 
 def build_data(cfg, rank: int, world_size: int) -> DataSource:
-    """The configured data source: the pipeline's loader over `cfg.data`."""
+    """The configured data source: the pipeline's loader over `cfg.data`, or, when `data.train_path` is a
+    chat JSONL file, the conversations rendered with the model's tokenizer (`chat_data.ChatData`)."""
+    from .chat_data import ChatData, is_chat_path
+    if is_chat_path(cfg.data.train_path):
+        return ChatData(cfg, rank, world_size)
     from .loader_data import LoaderData
     return LoaderData(cfg, rank, world_size)

@@ -8,6 +8,9 @@ forward also computes d/dh and d/dweight chunk by chunk (the same three matmuls 
 backward), and the backward only scales them by the incoming gradient. Peak extra memory is one
 [chunk, vocab] block instead of the [tokens, vocab] logits, their log-softmax and its gradient (the
 "fused linear cross entropy" of Liger-Kernel / torchtune, written with plain matmuls).
+`linear_self_kl(z, h, weight, ...)` is the same for self-distillation through a shared head (the MTP
+layer's `self` target): KL from the teacher rows h @ weight^T (detached) to the student rows z @ weight^T,
+its gradient q - p known in the forward pass likewise.
 """
 
 from __future__ import annotations
@@ -75,3 +78,68 @@ def linear_ce_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
     with torch.autocast(dev, enabled=False):  # the Function's matmuls write into buffers of `dtype`
         return _LinearCE.apply(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), chunk, dtype,
                                torch.is_grad_enabled())
+
+
+class _LinearSelfKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, h, weight, valid, labels, chunk: int, dtype: torch.dtype, grad_enabled: bool):
+        """z [N, H] (student: the MTP layer's normed output), h [N, H] (teacher: the trunk's final hidden
+        states, row by row the position whose next-token distribution z must match), weight [V, H],
+        valid [N] bool (rows with a KL term), labels [N] (the teacher's own LM targets, -100 = none) ->
+        (KL sum, teacher CE sum, argmax agreements), the last two not differentiable."""
+        need_z, _, need_w = (need and grad_enabled for need in ctx.needs_input_grad[:3])
+        zc, hc, wc = z.to(dtype), h.to(dtype), weight.to(dtype)
+        d_z = torch.zeros_like(zc) if need_z else None
+        d_w = torch.zeros_like(wc, dtype=torch.float32) if need_w else None
+        kl = torch.zeros((), dtype=torch.float32, device=z.device)
+        ce, agree = torch.zeros_like(kl), torch.zeros((), dtype=torch.int64, device=z.device)
+        for lo in range(0, z.shape[0], chunk):
+            rows = slice(lo, min(z.shape[0], lo + chunk))
+            ok, lab = valid[rows], labels[rows]
+            with torch.no_grad():
+                logp = (hc[rows] @ wc.t()).float().log_softmax(-1)  # [c, V] teacher, never differentiated
+            has = lab != IGNORE
+            ce -= (logp.gather(1, torch.where(has, lab, 0)[:, None])[:, 0] * has).sum()
+            if not bool(ok.any()):
+                continue
+            logq = (zc[rows] @ wc.t()).float().log_softmax(-1)  # [c, V] student
+            agree += ((logq.argmax(-1) == logp.argmax(-1)) & ok).sum()
+            p = logp.exp()
+            kl += ((p * (logp - logq)).sum(-1) * ok).sum()
+            if need_z or need_w:
+                grad = logq.exp_().sub_(p).mul_(ok[:, None]).to(dtype)  # d KL / d student logits = q - p
+                if need_z:
+                    torch.mm(grad, wc, out=d_z[rows])
+                if need_w and dtype == torch.float32:
+                    d_w.addmm_(grad.t(), zc[rows])
+                elif need_w:
+                    d_w += grad.t() @ zc[rows]
+        ctx.save_for_backward(d_z if need_z else None, d_w if need_w else None)
+        ctx.dtypes = (z.dtype, weight.dtype)
+        ctx.mark_non_differentiable(ce, agree)
+        return kl, ce, agree
+
+    @staticmethod
+    def backward(ctx, grad, _ce, _agree):
+        d_z, d_w = ctx.saved_tensors
+        g_z = (d_z * grad).to(ctx.dtypes[0]) if d_z is not None else None
+        g_w = (d_w * grad).to(ctx.dtypes[1]) if d_w is not None else None
+        return g_z, None, g_w, None, None, None, None, None
+
+
+def linear_self_kl(z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor,
+                   labels: torch.Tensor, chunk: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Self-distillation through one shared head, without materialising either [tokens, vocab] block:
+    sum over `valid` rows of KL(softmax(h @ W^T) || softmax(z @ W^T)) (the teacher h detached), plus, as
+    by-products of the teacher logits, the teacher's CE sum against `labels` and the number of valid rows
+    whose student argmax equals the teacher's (greedy draft acceptance, teacher-forced). Rows are
+    aligned: row i of z is trained towards row i of h. Gradients reach z (and `weight`, when it
+    requires grad: only through the student logits); shapes as `linear_ce_sum`."""
+    chunk = chunk or max(64, (8 << 20) // (4 * weight.shape[0]))
+    dev = z.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(z.dtype, weight.dtype)
+    H = z.shape[-1]
+    with torch.autocast(dev, enabled=False):
+        return _LinearSelfKL.apply(z.reshape(-1, H), h.detach().reshape(-1, H), weight, valid.reshape(-1),
+                                   labels.reshape(-1), chunk, dtype, torch.is_grad_enabled())

@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from glm5.model.layers import rope_angles
+
 from .balance import balance_losses
-from .indexer_warmup import indexer_kl
-from .loss import linear_ce_sum
+from .indexer_warmup import dense_attention, indexer_kl
+from .loss import linear_ce_sum, linear_self_kl
 
 IGNORE = -100
 MODEL_KEYS = ("input_ids", "position_ids", "segment_ids", "attention_mask", "block_position_ids")
@@ -33,6 +35,7 @@ class MicroResult:
     mtp_tokens: int
     balance: dict[str, torch.Tensor] = field(default_factory=dict)  # weighted extra terms (balance, indexer)
     router_stats: list[dict] = field(default_factory=list)
+    mtp_agree: int | None = None  # `self` target: MTP targets whose argmax equals the trunk's at t+1
 
 
 def mtp_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -51,14 +54,47 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
+def self_kl_sum(logits: torch.Tensor, mtp_logits: torch.Tensor, labels: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `self` MTP target from logits [B, T, V]: sum over MTP positions t (those `mtp_labels` keeps) of
+    KL(softmax(logits[t+1]) detached || softmax(mtp_logits[t])), and the count of those t whose MTP
+    argmax equals the trunk's argmax at t+1. Vocab-sharded logits (TP) are refused: use the data target."""
+    if isinstance(logits, DTensor) or isinstance(mtp_logits, DTensor):
+        raise ValueError("train.mtp_target = 'self' is not supported with tensor parallel (vocab-sharded logits)")
+    valid = (mtp_labels(labels) != IGNORE)[:, :-1]  # [B, T-1]
+    logp = F.log_softmax(logits[:, 1:].detach().float(), dim=-1)
+    logq = F.log_softmax(mtp_logits[:, :-1].float(), dim=-1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    agree = (logq.argmax(-1) == logp.argmax(-1)) & valid
+    return (kl * valid).sum(), agree.sum()
+
+
+def _self_kl_fused(z: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+    """`self_kl_sum` from hidden states (`loss.linear_self_kl`): MTP row t sits beside trunk row t+1
+    (z shifted right by one), so one pass over the trunk's rows also gives its full LM CE sum.
+    -> (KL sum, trunk LM CE sum, agreements)."""
+    valid = mtp_labels(labels) != IGNORE
+    z_at = F.pad(z[:, :-1], (0, 0, 1, 0))  # row s holds the MTP output of position s-1
+    valid_at = F.pad(valid[:, :-1], (1, 0), value=False)
+    return linear_self_kl(z_at, h, weight, valid_at, labels)
+
+
 def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance_cfg,
-                  indexer_coef: float = 0.0, capture=None, data_group=None, fused_ce: bool = False) -> MicroResult:
+                  indexer_coef: float = 0.0, capture=None, data_group=None, fused_ce: bool = False,
+                  trainable: str = "all", mtp_target: str = "data") -> MicroResult:
     """Run the model on one micro-batch; MTP runs only on causal-LM batches (GLM blank infilling is
     not left-to-right over Part A, so "token t+2" has no meaning there). With `capture` (an
     indexer_warmup.AttnCapture) and `indexer_coef`, adds the sparse-stage indexer KL term.
     `data_group`: the data-parallel process group (the batch balance loss sees the global batch).
     `fused_ce`: the LM and MTP losses straight from the final (and MTP) hidden states and the head's
-    weight (`loss.linear_ce_sum`: no [tokens, vocab] logits; one process, unsharded head only)."""
+    weight (`loss.linear_ce_sum`: no [tokens, vocab] logits; one process, unsharded head only).
+    `trainable` (`train.trainable`): "mtp" / "indexer" run the rest of the model as a frozen forward
+    (`frozen_trunk_mtp`, `frozen_indexer`). `mtp_target` (`train.mtp_target`): "data" = CE against token
+    t+2, "self" = KL to the trunk's own (detached) next-token distribution at t+1."""
+    if trainable == "mtp":
+        return frozen_trunk_mtp(model, batch, objective, balance_cfg, data_group, fused_ce, mtp_target)
+    if trainable == "indexer":
+        return frozen_indexer(model, batch, capture, fused_ce)
     inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
     if capture is not None:
         capture.clear()
@@ -75,8 +111,16 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
                       mtp_sum=None, mtp_tokens=0, router_stats=list(out.router_stats or []))
     if use_mtp and out.mtp_logits is not None:
         targets = mtp_labels(labels)
-        res.mtp_sum = (linear_ce_sum(out.mtp_hidden_states, model.lm_head.weight, targets) if fused_ce
-                       else ce_sum(out.mtp_logits, targets))
+        if mtp_target == "self" and fused_ce:
+            res.mtp_sum, _, agree = _self_kl_fused(out.mtp_hidden_states, out.hidden_states, model.lm_head.weight,
+                                                   labels)
+            res.mtp_agree = int(agree)
+        elif mtp_target == "self":
+            res.mtp_sum, agree = self_kl_sum(out.logits, out.mtp_logits, labels)
+            res.mtp_agree = int(agree)
+        else:
+            res.mtp_sum = (linear_ce_sum(out.mtp_hidden_states, model.lm_head.weight, targets) if fused_ce
+                           else ce_sum(out.mtp_logits, targets))
         res.mtp_tokens = int((targets != IGNORE).sum())
     res.balance = balance_losses(res.router_stats, labels.shape[0], balance_cfg.seq_aux_coef,
                                  balance_cfg.aux_coef, balance_cfg.z_loss_coef, data_group)
@@ -86,6 +130,65 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
     aux = getattr(out, "aux_loss", None)
     if isinstance(aux, torch.Tensor):
         res.balance["model_aux_loss"] = aux
+    return res
+
+
+def frozen_trunk_mtp(model, batch: dict, objective: str, balance_cfg, data_group=None, fused_ce: bool = False,
+                     mtp_target: str = "data") -> MicroResult:
+    """`train.trainable = "mtp"`: the trunk (embedding, main layers, final norm, head) runs under no_grad,
+    a forward only; the MTP layer(s) then run on its detached final hidden states with autograd, so only
+    they (and their loss through the frozen shared head) cost a backward. The LM loss is the frozen
+    trunk's (for the log); the balance terms cover the MTP layers' routers only (the trunk's are fixed)."""
+    if objective != "clm":
+        raise ValueError(f"train.trainable = 'mtp' trains on causal-LM batches only, got a {objective!r} batch")
+    inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
+    labels, ids = batch["labels"], batch["input_ids"]
+    with torch.no_grad():
+        out = model(**inputs, logits_to_keep=1 if fused_ce else 0)
+    B, T = ids.shape
+    pos = inputs.get("position_ids")
+    pos = torch.arange(T, device=ids.device)[None].expand(B, -1) if pos is None else pos
+    cos, sin = rope_angles(pos, model.model.inv_freq)
+    mask = model._mask(inputs.get("attention_mask"), inputs.get("segment_ids"), B, T)
+    h = out.hidden_states
+    mtp_logits, z, mstats = model._mtp(ids, None, h, cos, sin, mask, logits_to_keep=1 if fused_ce else 0)
+    targets = mtp_labels(labels)
+    res = MicroResult(lm_sum=torch.zeros(()), lm_tokens=int((labels != IGNORE).sum()), mtp_sum=None,
+                      mtp_tokens=int((targets != IGNORE).sum()), router_stats=list(out.router_stats) + mstats)
+    weight = model.lm_head.weight
+    if mtp_target == "self" and fused_ce:
+        res.mtp_sum, res.lm_sum, agree = _self_kl_fused(z, h, weight, labels)
+        res.mtp_agree = int(agree)
+    elif mtp_target == "self":
+        res.mtp_sum, agree = self_kl_sum(out.logits, mtp_logits, labels)
+        res.mtp_agree = int(agree)
+    else:
+        res.mtp_sum = linear_ce_sum(z, weight, targets) if fused_ce else ce_sum(mtp_logits, targets)
+    if not (mtp_target == "self" and fused_ce):
+        with torch.no_grad():
+            res.lm_sum = linear_ce_sum(h, weight, labels) if fused_ce else ce_sum(out.logits, labels)
+    res.balance = balance_losses(mstats, B, balance_cfg.seq_aux_coef, balance_cfg.aux_coef,
+                                 balance_cfg.z_loss_coef, data_group)
+    return res
+
+
+def frozen_indexer(model, batch: dict, capture, fused_ce: bool = False) -> MicroResult:
+    """`train.trainable = "indexer"`: a frozen dense forward under no_grad (the indexer warm-up's), then
+    the indexers' KL to the head-summed attention distribution over every key a query may attend to
+    (`indexer_kl`; inputs captured detached, so the loss reaches the indexers only)."""
+    if capture is None:
+        raise ValueError("train.trainable = 'indexer' needs the trainer's attention capture")
+    inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
+    labels = batch["labels"]
+    capture.clear()
+    with torch.no_grad(), dense_attention(model):
+        out = model(**inputs, logits_to_keep=1 if fused_ce else 0)
+        lm_sum = linear_ce_sum(out.hidden_states, model.lm_head.weight, labels) if fused_ce else ce_sum(out.logits, labels)
+    res = MicroResult(lm_sum=lm_sum, lm_tokens=int((labels != IGNORE).sum()), mtp_sum=None, mtp_tokens=0,
+                      router_stats=list(out.router_stats or []))
+    if capture.enabled:  # off during evaluation
+        res.balance["indexer_kl"] = indexer_kl(capture.records)
+    capture.clear()
     return res
 
 

@@ -26,6 +26,7 @@ from glm5.core.config import to_dict
 from glm5.core.io import CheckpointError, LazyTensors, atomic_dir, remove_stale_tmp, safetensors_files
 from glm5.core.log import MetricsWriter
 from glm5.model.config import ModelConfig
+from glm5.model.generation_config import GenerationConfig
 from glm5.model.hf_adapter import load_hf_state_dict, save_pretrained
 from glm5.model.model import GLM5ForCausalLM
 
@@ -52,7 +53,35 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GLM5ForCausalLM:
     model = GLM5ForCausalLM(mcfg).init_weights(seed=cfg.train.seed)
     if cfg.model.load_weights and (Path(name) / "config.json").is_file():
         load_hf_state_dict(model, LazyTensors(safetensors_files(name), verify=True))  # strict: names every mismatch
+        model.generation_config = GenerationConfig.from_pretrained(name) or model.generation_config  # kept in final/
     return model.to(device).train()
+
+
+def trainable_names(model: torch.nn.Module, trainable: str) -> list[str]:
+    """Parameter names that `train.trainable` trains: every one ("all"), the MTP layers' (`model.layers.{i}.`
+    for i >= num_hidden_layers; the tied embedding and lm_head are not theirs), or the DSA indexers'."""
+    names = [n for n, _ in model.named_parameters()]
+    if trainable == "all":
+        return names
+    if trainable == "mtp":
+        first = model.config.num_hidden_layers
+        mtp = tuple(f"model.layers.{first + j}." for j in range(model.config.num_nextn_predict_layers))
+        return [n for n in names if n.startswith(mtp)]
+    if trainable == "indexer":
+        return [n for n in names if ".indexer." in n]
+    raise ValueError(f"train.trainable: unknown value {trainable!r}; use all, mtp, indexer")
+
+
+def freeze_except(model: torch.nn.Module, trainable: str) -> int:
+    """Set requires_grad False on every parameter `train.trainable` leaves out; returns how many train.
+    Fails naming the key when nothing would train (a model without MTP layers / indexers)."""
+    keep = set(trainable_names(model, trainable))
+    if not keep:
+        what = {"mtp": "MTP layers (num_nextn_predict_layers = 0)", "indexer": "DSA indexers"}[trainable]
+        raise ValueError(f"train.trainable = {trainable!r} but the model has no {what}")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in keep)
+    return sum(p.numel() for n, p in model.named_parameters() if n in keep)
 
 
 def check_compatible(cfg: TrainConfig, model_cfg: ModelConfig, data_vocab: int) -> None:
@@ -95,7 +124,8 @@ class Trainer:
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
         self.model = model if model is not None else build_model(cfg, self.device)
         self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
-        self.uses_mtp = cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
+        self.uses_mtp = (cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
+                         and cfg.train.trainable != "indexer")  # the indexer runs freeze the MTP layer too
         # before any pipeline cut prunes the model to this rank's layers
         self.active_params = perf.active_params(self.raw_model, include_mtp=self.uses_mtp)
         self.distributed = dist.world_size() > 1
@@ -105,6 +135,17 @@ class Trainer:
             self.model = parallelize_fn(self.model, cfg)
         if cfg.precision.activation_checkpointing:
             self.raw_model.gradient_checkpointing = True
+        self.frozen = cfg.train.trainable != "all"
+        if self.frozen:
+            if self.distributed:
+                raise ValueError(f"train.trainable = {cfg.train.trainable!r} runs in one process (got a world of "
+                                 f"{dist.world_size()})")
+            if micro_fn is not None:
+                raise ValueError(f"train.trainable = {cfg.train.trainable!r} needs the trainer's own forward "
+                                 "(this command passes its own loss)")
+            self.trainable_params = freeze_except(self.raw_model, cfg.train.trainable)
+            dist.print0(f"train.trainable = {cfg.train.trainable}: {self.trainable_params:,} parameters train, "
+                        "the rest is frozen")
         self.optimizer = build_optimizer(self.model, cfg.optim)
         # data ranks: ranks that read different rows of the global batch (tensor/pipeline peers share one)
         plan = getattr(self.model, "parallel_plan", None)
@@ -116,8 +157,15 @@ class Trainer:
         # head (FSDP/TP) has its own loss path, and an adapted one (LoRA with dropout) is more than its
         # `.weight`. A custom micro_fn (distillation) keeps its own loss.
         self.fused_ce = not self.distributed and type(getattr(self.raw_model, "lm_head", None)) is torch.nn.Linear
-        if self.micro_fn is forward_micro and self.fused_ce:
-            self.micro_fn = functools.partial(forward_micro, fused_ce=True)
+        if self.micro_fn is forward_micro:
+            kw = {"fused_ce": True} if self.fused_ce else {}
+            if cfg.train.trainable != "all" or cfg.train.mtp_target != "data":
+                kw.update(trainable=cfg.train.trainable, mtp_target=cfg.train.mtp_target)
+            self.micro_fn = functools.partial(forward_micro, **kw) if kw else forward_micro
+        elif cfg.train.mtp_target != "data":
+            raise ValueError("train.mtp_target = 'self' needs the trainer's own forward (this command passes its own loss)")
+        if cfg.train.mtp_target == "self" and not self.uses_mtp:
+            raise ValueError("train.mtp_target = 'self' but the model has no MTP layer (num_nextn_predict_layers = 0)")
         self.pp_group = plan.pp_group if plan else None
         # one process on CPU: gradient buffers live on between steps (no page faults refilling them;
         # grads.py). CUDA's caching allocator already reuses freed blocks.
@@ -125,14 +173,20 @@ class Trainer:
         self.kept_grads = KeptGrads() if keep else None
         if self.pipeline is not None and cfg.dsa.indexer_loss_coef > 0:
             raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
+        if self.pipeline is not None and cfg.train.mtp_target != "data":
+            raise ValueError("train.mtp_target = 'self' is not supported with parallel.pipeline_parallel > 1")
         self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
         check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
         self.ramp = BatchRamp(self.data.micro_batch_size, self.data_world, cfg.train.grad_accum,
                               cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
         self.gates, self.tracker = find_gates(self.raw_model), LoadTracker()
+        if self.frozen:  # a frozen router keeps its correction bias: only the MTP layers' gates update
+            first = self.raw_model.config.num_hidden_layers
+            self.gates = {i: g for i, g in self.gates.items() if cfg.train.trainable == "mtp" and i >= first}
         self.layer_groups = layer_groups(self.raw_model)
-        self.capture = AttnCapture(self.raw_model) if cfg.dsa.indexer_loss_coef > 0 else None
+        need_capture = cfg.dsa.indexer_loss_coef > 0 or cfg.train.trainable == "indexer"
+        self.capture = AttnCapture(self.raw_model) if need_capture else None
         self.step = 0
         self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
         self.run_dir = Path(cfg.log.run_dir)
@@ -140,6 +194,7 @@ class Trainer:
         self.autocast_dtype = self._autocast_dtype()
         self.peak_flops = 0.0
         self.history: list[dict] = []
+        self.mtp_agree: int | None = None  # the step's MTP/trunk argmax agreements (`self` target)
         self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
         self._resume(cfg.checkpoint.resume)
 
@@ -283,7 +338,8 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         loads = self.tracker.reduce(self.data_group)
-        update_expert_bias(self.gates, loads, self.cfg.balance.bias_update_rate)
+        trained = {i: v for i, v in loads.items() if i in self.gates} if self.frozen else loads  # frozen: logged only
+        update_expert_bias(self.gates, trained, self.cfg.balance.bias_update_rate)
         metrics.update(load_metrics(self._all_stages(loads)))
         self.step += 1
         return metrics
@@ -313,12 +369,15 @@ class Trainer:
                    "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
         if n_mtp:
             metrics["mtp_loss"] = mtp_sum / n_mtp
+            if self.mtp_agree is not None:  # `self` target: teacher-forced greedy draft acceptance
+                metrics["mtp_agree"] = self._global([self.mtp_agree], self.plan_tp)[0] / n_mtp
         return {**metrics, **{k: v / self.data_world for k, v in zip(names, extras)}}
 
     def _run_micro(self, micro: list[tuple[str, dict]], step_tokens: float, step_mtp: float):
         """Forward/backward of each micro-batch in turn -> (lm sum, MTP sum, balance terms / n_micro)."""
         cfg = self.cfg
         lm_sum, mtp_sum, extra = 0.0, 0.0, {}
+        self.mtp_agree = None
         for objective, batch in micro:
             with self.loss_context():  # forward and backward (tensor parallel: vocab-parallel loss)
                 with self._autocast():
@@ -328,6 +387,8 @@ class Trainer:
                 loss.backward()
             lm_sum += float(res.lm_sum.detach())
             mtp_sum += float(res.mtp_sum.detach()) if res.mtp_sum is not None else 0.0
+            if res.mtp_agree is not None:
+                self.mtp_agree = (self.mtp_agree or 0) + res.mtp_agree
             for k, v in res.balance.items():
                 extra[k] = extra.get(k, 0.0) + float(v.detach()) / len(micro)
             self.tracker.add(res.router_stats)
@@ -432,11 +493,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation LM loss (token-weighted) and the add-one unigram baseline fitted on the training
-        targets seen so far, on the same validation tokens."""
+        targets seen so far, on the same validation tokens. With `train.trainable = "mtp"` also the MTP
+        layer's validation loss (`val_mtp_loss`) and, for the `self` target, `val_mtp_agree` (the share of
+        positions whose MTP argmax is the trunk's next argmax: teacher-forced greedy acceptance)."""
         self.model.eval()
         if self.capture is not None:
             self.capture.enabled = False
         total, count, uni = 0.0, 0, 0.0
+        mtp = {"sum": 0.0, "tokens": 0, "agree": 0}
         counts = self.unigram.clone()
         if self.data_group is not None:  # fitted on the global batch's targets, as one process would
             torch.distributed.all_reduce(counts, group=self.data_group)
@@ -448,6 +512,13 @@ class Trainer:
                     total += self.pipeline.run([batch], False, 1.0, 0.0, 0.0, self.cfg.balance, self.data_group,
                                                train=False).lm_sum
                     count += self.pipeline.lm_tokens([batch])
+                elif self.cfg.train.trainable == "mtp":  # one frozen pass gives both losses
+                    res = self.micro_fn(self.model, batch, "clm", self.cfg.train.mtp_weight, self.cfg.balance)
+                    total += float(res.lm_sum)
+                    count += res.lm_tokens
+                    mtp["sum"] += float(res.mtp_sum)
+                    mtp["tokens"] += res.mtp_tokens
+                    mtp["agree"] += res.mtp_agree or 0
                 else:
                     res = forward_micro(self.model, batch, "clm", 0.0, self.cfg.balance, fused_ce=self.fused_ce)
                     total += float(res.lm_sum)
@@ -462,7 +533,12 @@ class Trainer:
         count = int(count)
         if count == 0:
             return {}
-        return {"val_loss": total / count, "unigram_loss": uni / count, "val_tokens": count}
+        out = {"val_loss": total / count, "unigram_loss": uni / count, "val_tokens": count}
+        if mtp["tokens"]:
+            out["val_mtp_loss"] = mtp["sum"] / mtp["tokens"]
+            if self.cfg.train.mtp_target == "self":
+                out["val_mtp_agree"] = mtp["agree"] / mtp["tokens"]
+        return out
 
     # --- the loop -----------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -523,7 +599,13 @@ class Trainer:
     def _log(self, writer, bar, m: dict) -> None:
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
+            if self.frozen and "mtp_loss" in m:  # the MTP layer is what trains: its loss and agreement
+                shown = {"mtp": f"{m['mtp_loss']:.3f}"}
+                if "mtp_agree" in m:
+                    shown["agree"] = f"{m['mtp_agree']:.2f}"
+            else:
+                shown = {"loss": f"{m['loss']:.3f}"}
+            bar.set_postfix(**shown, lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
                             tok_s=f"{m['tokens_per_s']:.0f}", mfu=f"{m['mfu']:.1%}",
                             **({"comm": f"{m['comm_frac']:.0%}"} if "comm_frac" in m else {}))
         if (self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps or m.get("skipped")
@@ -534,8 +616,9 @@ class Trainer:
         if writer is not None:
             writer.write(self.step, **record)
         if record.get("event") in ("eval", "final") and record.get("val_loss") is not None:
+            mtp = "".join(f"  {k} {record[k]:.4f}" for k in ("val_mtp_loss", "val_mtp_agree") if k in record)
             dist.print0(f"step {self.step}: val_loss {record['val_loss']:.4f}  "
-                        f"unigram baseline {record['unigram_loss']:.4f}")
+                        f"unigram baseline {record['unigram_loss']:.4f}{mtp}")
 
     def save_final(self) -> Path | None:
         """`RUN_DIR/final`: the model in HF layout plus the tokenizer files (for `glm5 generate`)."""
