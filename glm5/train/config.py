@@ -139,6 +139,18 @@ class DSAConfig:
     """Learning rate of the indexer during the warm-up."""
     indexer_loss_coef: float = 0.0
     """Sparse stage: weight of the indexer KL loss on the selected keys (input detached)."""
+    indexer_kl_rows: int = 0
+    """Query rows per sequence, drawn at random each step, that the indexer KL is computed on (warm-up,
+    `train.trainable = "indexer"`, sparse stage; 0 = all). Its cost is rows x keys per layer."""
+
+    def __post_init__(self):
+        for key in ("indexer_warmup_steps", "indexer_kl_rows"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"dsa.{key} must be >= 0, got {getattr(self, key)}")
+        if not self.indexer_warmup_lr > 0:
+            raise ValueError(f"dsa.indexer_warmup_lr must be > 0, got {self.indexer_warmup_lr}")
+        if not self.indexer_loss_coef >= 0:
+            raise ValueError(f"dsa.indexer_loss_coef must be >= 0, got {self.indexer_loss_coef}")
 
 
 @dataclass(kw_only=True)
@@ -238,6 +250,9 @@ class TrainConfig:
         unknown = set(self.train.objectives) - {"clm", "glm", "fim"}
         if unknown:
             raise ValueError(f"train.objectives: unknown objective(s) {sorted(unknown)}; use clm, glm, fim")
+        if self.train.steps < 1 and self.dsa.indexer_warmup_steps > 0:
+            raise ValueError("train.steps must be >= 1; to train only the indexers (resumable, checkpointed) set "
+                             "train.trainable = 'indexer' with train.steps = N and dsa.indexer_warmup_steps = 0")
         if self.train.grad_accum < 1 or self.train.steps < 1:
             raise ValueError("train.steps and train.grad_accum must be >= 1")
         if self.train.trainable == "mtp" and self.train.mtp_weight <= 0:

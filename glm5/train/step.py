@@ -125,7 +125,7 @@ def forward_micro(model, batch: dict, objective: str, mtp_weight: float, balance
     res.balance = balance_losses(res.router_stats, labels.shape[0], balance_cfg.seq_aux_coef,
                                  balance_cfg.aux_coef, balance_cfg.z_loss_coef, data_group)
     if capture is not None and indexer_coef:
-        res.balance["indexer_kl"] = indexer_coef * indexer_kl(capture.records, out.selections)
+        res.balance["indexer_kl"] = indexer_coef * indexer_kl(capture.records, out.selections, capture.rows)
         capture.clear()
     aux = getattr(out, "aux_loss", None)
     if isinstance(aux, torch.Tensor):
@@ -187,7 +187,7 @@ def frozen_indexer(model, batch: dict, capture, fused_ce: bool = False) -> Micro
     res = MicroResult(lm_sum=lm_sum, lm_tokens=int((labels != IGNORE).sum()), mtp_sum=None, mtp_tokens=0,
                       router_stats=list(out.router_stats or []))
     if capture.enabled:  # off during evaluation
-        res.balance["indexer_kl"] = indexer_kl(capture.records)
+        res.balance["indexer_kl"] = indexer_kl(capture.records, rows=capture.rows)
     capture.clear()
     return res
 

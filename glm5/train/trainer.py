@@ -186,7 +186,7 @@ class Trainer:
             self.gates = {i: g for i, g in self.gates.items() if cfg.train.trainable == "mtp" and i >= first}
         self.layer_groups = layer_groups(self.raw_model)
         need_capture = cfg.dsa.indexer_loss_coef > 0 or cfg.train.trainable == "indexer"
-        self.capture = AttnCapture(self.raw_model) if need_capture else None
+        self.capture = AttnCapture(self.raw_model, cfg.dsa.indexer_kl_rows) if need_capture else None
         self.step = 0
         self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
         self.run_dir = Path(cfg.log.run_dir)
@@ -477,7 +477,7 @@ class Trainer:
         if not params:
             return
         opt = torch.optim.AdamW(params, lr=self.cfg.dsa.indexer_warmup_lr, weight_decay=0.0)
-        capture = AttnCapture(self.raw_model)
+        capture = AttnCapture(self.raw_model, self.cfg.dsa.indexer_kl_rows)
         try:
             for i in range(self.cfg.dsa.indexer_warmup_steps):
                 batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
