@@ -189,7 +189,12 @@ def test_frozen_run_resumes_exactly(tmp_path):
     part = make(tmp_path / "b", **sections)
     for _ in range(2):
         part.train_step()
-    part.save()
+    ckpt = part.save()
+    from glm5.core.io import LazyTensors
+    assert sorted(p.name for p in (ckpt / "model").iterdir()) == ["trained.safetensors"]  # only what trains
+    saved = set(LazyTensors([ckpt / "model" / "trained.safetensors"]).where)
+    assert saved and all(k.startswith("model.layers.2.") for k in saved)
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in saved
     resumed = make(tmp_path / "b", **sections)
     assert resumed.step == 2
     resumed.fit()
@@ -240,3 +245,103 @@ def test_chat_jsonl_is_rendered_with_the_models_tokenizer(tmp_path):
     assert "val_mtp_agree" in summary and summary["val_mtp_loss"] > 0
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / "run" / "final" / name).read_bytes() == (ckpt / name).read_bytes()
+
+
+def test_lstsq_warm_start_solves_the_least_squares_problem():
+    from glm5.train.mtp_init import fit_mtp_lstsq
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", **MODEL)).init_weights(seed=5)
+    data = SyntheticData(96, 4, 16, seed=6)
+    batches = [data.next_batch("clm") for _ in range(3)]
+    balance = config("unused").balance
+
+    def self_kl() -> float:
+        with torch.no_grad():
+            return sum(float(forward_micro(model, b, "clm", 1.0, balance, trainable="mtp", mtp_target="self").mtp_sum)
+                       for b in batches)
+
+    def unit(v):
+        return v / v.pow(2).mean(-1, keepdim=True).add(model.config.rms_norm_eps).sqrt()
+    before = self_kl()
+    info = fit_mtp_lstsq(model, batches, ridge=1e-9)
+    layer = model.model.layers[2]
+    # eh_proj is the least-squares map [rms-normalised e_{t+1}; rms-normalised h_t] -> h_{t+1}
+    xs, ys = [], []
+    with torch.no_grad():
+        for b in batches:
+            h = model(b["input_ids"]).hidden_states
+            e = model.model.embed_tokens(b["input_ids"][:, 1:])
+            keep = (mtp_labels(b["labels"]) != IGNORE)[:, :-1]
+            xs.append(torch.cat([unit(e), unit(h[:, :-1])], -1)[keep])
+            ys.append(h[:, 1:][keep])
+    x, y = torch.cat(xs).double(), torch.cat(ys).double()
+    ref = torch.linalg.lstsq(x, y).solution.t().float()
+    assert info["positions"] == x.shape[0]
+    torch.testing.assert_close(layer.eh_proj.weight, ref, rtol=1e-3, atol=1e-4)
+    assert torch.equal(layer.mlp.experts.down_proj, torch.zeros_like(layer.mlp.experts.down_proj))
+    assert layer.self_attn.o_proj.weight.abs().sum() > 0 and layer.mlp.shared_experts.down_proj.weight.abs().sum() > 0
+    assert self_kl() < 0.5 * before  # the self-distillation KL the fit stands for
+
+
+def test_trainer_lstsq_warm_start_keeps_the_trunk(tmp_path):
+    t = make(tmp_path, train={"trainable": "mtp", "mtp_target": "self", "mtp_weight": 1.0, "mtp_init": "lstsq",
+                              "mtp_init_batches": 2, "steps": 2})
+    before = state(t.raw_model)
+    t.fit()
+    after = state(t.raw_model)
+    assert [k for k in before if not k.startswith("model.layers.2.") and not torch.equal(before[k], after[k])] == []
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    init = [r for r in recs if r.get("event") == "mtp_init"]
+    assert len(init) == 1 and init[0]["positions"] == 2 * 3 * 15 and "init_val_mtp_agree" in init[0]
+    resumed = make(tmp_path, train={"trainable": "mtp", "mtp_target": "self", "mtp_weight": 1.0, "mtp_init": "lstsq",
+                                    "mtp_init_batches": 2, "steps": 3}, checkpoint={"resume": "auto"})
+    resumed.fit()  # resumed past step 0: no second fit
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("event") == "mtp_init" for r in recs) == 1
+
+
+def _tiny_checkpoint(path):
+    """A tiny model with an MTP layer, saved with the bundled tokenizer (a GLM chat template)."""
+    from glm5.data.tokenizer import load_tokenizer
+    model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                                    moe_intermediate_size=16, first_k_dense_replace=1,
+                                                    num_attention_heads=2, num_key_value_heads=2)).init_weights(seed=0)
+    save_pretrained(model, path)
+    load_tokenizer("bundled:tokenizer-8k").save(path)
+    return path
+
+
+def test_recipe_writes_a_checkpoint_with_the_inputs_files(tmp_path):
+    from glm5.model.hf_adapter import from_pretrained
+    from glm5.train.mtp_recipe import train_mtp
+    src = _tiny_checkpoint(tmp_path / "src")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                      {"role": "assistant", "content": f"answer {i} " * 5}]}) + "\n"
+                            for i in range(12)))
+    lines = []
+    out = train_mtp(src, tmp_path / "out", minutes=0.5, log=lines.append,
+                    overrides=[f"--data.train_path={chat}", f"--data.val_path={chat}", "--data.seq_len=64",
+                               "--train.steps=3", "--train.mtp_init_batches=0", "--log.measure_peak=false"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    before, after = from_pretrained(src), from_pretrained(out)
+    changed = {k for k, v in before.state_dict().items() if not torch.equal(v, after.state_dict()[k])}
+    assert changed and all(k.startswith("model.layers.1.") for k in changed)  # the MTP layer only
+    assert any("closed-form fit done" in line for line in lines) and any(line.startswith("mtp step") for line in lines)
+    assert (tmp_path / "out.run" / "metrics.jsonl").is_file()  # the resumable run next to it
+
+
+def test_self_answers_are_the_models_greedy_output(tmp_path):
+    from glm5.distill.mtp import self_answers
+    from glm5.infer.llm import LLM
+    from glm5.infer.sampling import SamplingParams
+    src = _tiny_checkpoint(tmp_path / "src")
+    path = self_answers(src, tmp_path / "answers.jsonl", prompts=3, max_tokens=6, log=lambda s: None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    llm = LLM(str(src), dtype="float32")
+    prompt = llm.tokenizer.apply_chat_template(rows[0]["messages"][:-1], add_generation_prompt=True)
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert rows[0]["messages"][-1]["content"] == llm.tokenizer.decode(again.token_ids, skip_special_tokens=True)

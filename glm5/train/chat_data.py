@@ -92,6 +92,11 @@ class ChatData(DataSource):
     def num_tokens(self) -> int:
         return int(sum(len(d) for d in self.docs))
 
+    def epoch_batches(self) -> int:
+        """Batches of this rank that cover one pass over the packed training rows."""
+        per_call = self.micro_batch_size * self.world
+        return -(-len(self._rows["input_ids"]) // per_call)
+
     def _pack(self, docs: list[np.ndarray]) -> dict[str, np.ndarray]:
         return sft.pack([(d, np.ones(len(d), dtype=bool)) for d in docs], self.cfg.seq_len, self.pad_id)
 

@@ -103,6 +103,14 @@ class TrainSection:
     mtp_target: Literal["data", "self"] = "data"
     """MTP loss: `data` = cross entropy against token t+2; `self` = self-distillation, KL(trunk's own
     next-token distribution at t+1 || MTP at t), detached target: maximises speculative acceptance."""
+    mtp_init: Literal["none", "lstsq"] = "none"
+    """Before step 0: `lstsq` fits the MTP layer's linear maps (eh_proj, attention and shared-expert
+    output projections) to the frozen trunk's next hidden state in closed form (glm5/train/mtp_init.py)."""
+    mtp_init_batches: int = 0
+    """Batches (of `data.batch_size` rows) the `lstsq` warm start fits on (their trunk states are kept);
+    0 = one pass over the training rows (chat JSONL data)."""
+    mtp_init_ridge: float = 1e-3
+    """Ridge of the `lstsq` fits, relative to the mean diagonal of each Gram matrix."""
 
 
 @dataclass(kw_only=True)
@@ -261,6 +269,11 @@ class TrainConfig:
             raise ValueError("train.mtp_target = 'self' trains the MTP layer; train.trainable = 'indexer' freezes it")
         if self.train.mtp_target == "self" and self.train.mtp_weight <= 0:
             raise ValueError("train.mtp_target = 'self' needs train.mtp_weight > 0 (0 turns the MTP layer off)")
+        if self.train.mtp_init != "none" and (self.train.mtp_weight <= 0 or self.train.trainable == "indexer"):
+            raise ValueError(f"train.mtp_init = {self.train.mtp_init!r} fits the MTP layer: it needs train.mtp_weight > 0 "
+                             "and train.trainable = 'mtp' or 'all'")
+        if self.train.mtp_init_batches < 0 or self.train.mtp_init_ridge <= 0:
+            raise ValueError("train.mtp_init_batches must be >= 0 and train.mtp_init_ridge > 0")
         if self.train.trainable != "all" and set(self.train.objectives) != {"clm"}:
             raise ValueError(f"train.trainable = {self.train.trainable!r} trains on causal-LM batches only: "
                              f"set train.objectives = {{clm = 1.0}} (got {sorted(self.train.objectives)})")

@@ -142,16 +142,12 @@ def frozen_trunk_mtp(model, batch: dict, objective: str, balance_cfg, data_group
     if objective != "clm":
         raise ValueError(f"train.trainable = 'mtp' trains on causal-LM batches only, got a {objective!r} batch")
     inputs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
-    labels, ids = batch["labels"], batch["input_ids"]
+    labels = batch["labels"]
     with torch.no_grad():
         out = model(**inputs, logits_to_keep=1 if fused_ce else 0)
-    B, T = ids.shape
-    pos = inputs.get("position_ids")
-    pos = torch.arange(T, device=ids.device)[None].expand(B, -1) if pos is None else pos
-    cos, sin = rope_angles(pos, model.model.inv_freq)
-    mask = model._mask(inputs.get("attention_mask"), inputs.get("segment_ids"), B, T)
     h = out.hidden_states
-    mtp_logits, z, mstats = model._mtp(ids, None, h, cos, sin, mask, logits_to_keep=1 if fused_ce else 0)
+    mtp_logits, z, mstats = run_mtp(model, inputs, h, logits_to_keep=1 if fused_ce else 0)
+    B = labels.shape[0]
     targets = mtp_labels(labels)
     res = MicroResult(lm_sum=torch.zeros(()), lm_tokens=int((labels != IGNORE).sum()), mtp_sum=None,
                       mtp_tokens=int((targets != IGNORE).sum()), router_stats=list(out.router_stats) + mstats)
@@ -170,6 +166,19 @@ def frozen_trunk_mtp(model, batch: dict, objective: str, balance_cfg, data_group
     res.balance = balance_losses(mstats, B, balance_cfg.seq_aux_coef, balance_cfg.aux_coef,
                                  balance_cfg.z_loss_coef, data_group)
     return res
+
+
+def run_mtp(model, inputs: dict, h: torch.Tensor, logits_to_keep: int = 0):
+    """The model's MTP layers alone on given trunk hidden states h [B, T, H] (final-normed, as
+    `ModelOutput.hidden_states`), with the positions and mask `inputs` describe, as the model's own forward
+    would run them -> (MTP logits, the first layer's normed output, router stats)."""
+    ids = inputs["input_ids"]
+    B, T = ids.shape
+    pos = inputs.get("position_ids")
+    pos = torch.arange(T, device=ids.device)[None].expand(B, -1) if pos is None else pos
+    cos, sin = rope_angles(pos, model.model.inv_freq)
+    mask = model._mask(inputs.get("attention_mask"), inputs.get("segment_ids"), B, T)
+    return model._mtp(ids, None, h, cos, sin, mask, logits_to_keep=logits_to_keep)
 
 
 def frozen_indexer(model, batch: dict, capture, fused_ce: bool = False) -> MicroResult:

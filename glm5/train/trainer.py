@@ -23,7 +23,8 @@ import torch
 
 from glm5.core import dist
 from glm5.core.config import to_dict
-from glm5.core.io import CheckpointError, LazyTensors, atomic_dir, remove_stale_tmp, safetensors_files
+from glm5.core.io import (CheckpointError, LazyTensors, atomic_dir, check_finite, remove_stale_tmp,
+                          safetensors_files, save_file_checked)
 from glm5.core.log import MetricsWriter
 from glm5.model.config import ModelConfig
 from glm5.model.generation_config import GenerationConfig
@@ -43,6 +44,7 @@ from .stability import NonFiniteGuard, clip_global, clip_layerwise, grad_norm, l
 from .step import IGNORE, MODEL_KEYS, forward_micro, micro_loss, mtp_labels
 
 logger = logging.getLogger("glm5.train")
+TRAINED_FILE = "trained.safetensors"  # a frozen run's checkpoint `model/`: the trained tensors only
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> GLM5ForCausalLM:
@@ -278,12 +280,47 @@ class Trainer:
 
     def write_model(self, model: torch.nn.Module, directory: Path) -> None:
         """What a single-process checkpoint's `model/` holds: the whole model in HF layout (fine-tuning
-        overrides this to write only what trains)."""
-        save_pretrained(model, directory)
+        overrides this to write only what trains). With `train.trainable` other than "all", only what
+        trains: `trained.safetensors` (the trained parameters and their layers' buffers, e.g. the MTP
+        router's bias); the frozen rest is `model.name`'s, rebuilt from it on resume."""
+        if not self.frozen:
+            save_pretrained(model, directory)
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        state = model.state_dict()
+        save_file_checked({k: state[k].detach().cpu().contiguous() for k in self._trained_keys()},
+                          directory / TRAINED_FILE, metadata={"trainable": self.cfg.train.trainable})
 
     def read_model(self, model: torch.nn.Module, directory: Path) -> None:
         """Inverse of `write_model`, in place (checksums verified)."""
-        read_hf_model(model, directory)
+        if not self.frozen:
+            read_hf_model(model, directory)
+            return
+        file = directory / TRAINED_FILE
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing (a train.trainable = {self.cfg.train.trainable!r} checkpoint "
+                                  "holds only what trains)")
+        tensors = LazyTensors([file], verify=True).load_all()
+        want = self._trained_keys()
+        if set(tensors) != set(want):
+            raise CheckpointError(f"{file}: holds {sorted(set(tensors) ^ set(want))[:5]} unlike this run's "
+                                  f"train.trainable = {self.cfg.train.trainable!r} tensors")
+        state = model.state_dict()
+        with torch.no_grad():
+            for k in want:
+                check_finite(tensors[k], k, file)
+                state[k].copy_(tensors[k])
+
+    def _trained_keys(self) -> list[str]:
+        """State-dict keys a frozen run changes: its trainable parameters, and for "mtp" the MTP layers'
+        buffers (the router's correction bias moves with the balance update)."""
+        names = trainable_names(self.raw_model, self.cfg.train.trainable)
+        if self.cfg.train.trainable == "mtp":
+            first = self.raw_model.config.num_hidden_layers
+            prefixes = tuple(f"model.layers.{first + j}." for j in range(self.raw_model.config.num_nextn_predict_layers))
+            names += [n for n, _ in self.raw_model.named_buffers() if n.startswith(prefixes)]
+        persistent = set(self.raw_model.state_dict())
+        return [n for n in names if n in persistent]
 
     # --- one optimizer step -------------------------------------------------------------------------
     def _set_lr(self) -> float:
@@ -489,6 +526,33 @@ class Trainer:
         finally:
             capture.remove()
 
+    def mtp_warm_start(self, writer) -> None:
+        """`train.mtp_init = "lstsq"` (before step 0): the MTP layer's linear maps fitted in closed form to
+        the frozen trunk's next hidden states over `train.mtp_init_batches` training batches
+        (glm5/train/mtp_init.py). Those batches are consumed from the data stream; a run resumed past
+        step 0 has the fitted weights in its checkpoint and does not fit again."""
+        if self.distributed:
+            raise ValueError("train.mtp_init = 'lstsq' runs in one process")
+        from .mtp_init import fit_mtp_lstsq
+        t0 = time.perf_counter()
+        self.data.set_step(0)
+        n = self.cfg.train.mtp_init_batches
+        if n == 0:
+            if not hasattr(self.data, "epoch_batches"):
+                raise ValueError("train.mtp_init_batches = 0 (one pass over the data) needs chat JSONL data; "
+                                 "set a batch count")
+            n = self.data.epoch_batches()
+        batches = ({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                    for k, v in self.data.next_batch("clm").items()} for _ in range(n))
+        with self._autocast():
+            info = fit_mtp_lstsq(self.raw_model, batches, self.cfg.train.mtp_init_ridge)
+        record = {"event": "mtp_init", **info, "seconds": time.perf_counter() - t0}
+        if self.cfg.log.eval_batches and self.data.val_batches(1):
+            record.update({f"init_{k}": v for k, v in self.evaluate().items() if k.startswith("val_mtp")})
+        self._write(writer, record)
+        dist.print0(f"mtp_init: lstsq fit on {info['positions']} positions in {record['seconds']:.0f} s"
+                    + "".join(f", {k} {record[k]:.4f}" for k in ("init_val_mtp_loss", "init_val_mtp_agree") if k in record))
+
     # --- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -551,6 +615,8 @@ class Trainer:
             self.peak_flops = perf.measure_matmul_peak(self.device, self.autocast_dtype or torch.float32)
         if self.step == 0 and cfg.dsa.indexer_warmup_steps > 0:
             self.indexer_warmup(writer)
+        if self.step == 0 and cfg.train.mtp_init == "lstsq":
+            self.mtp_warm_start(writer)
         bar = _progress(cfg.log.progress and dist.is_main(), self.step, cfg.train.steps)
         last_saved, summary = self.step, {}
         deadline = None
