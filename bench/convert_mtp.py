@@ -5,9 +5,9 @@ minutes), then measure draft acceptance at k = 1 and k = 2 and batch-1 decode sp
     python bench/convert_mtp.py MODEL_DIR --trained DIR         # measure an already trained directory
     python bench/convert_mtp.py MODEL_DIR --minutes 4 --prompts 32 --out bench/results/convert_mtp.json
 
-Training: `glm5.train.mtp_recipe.train_mtp` (the packaged config: frozen trunk, MTP self-distillation on
-the bundled chat set, LR annealed over `--minutes`), resumable in `--work` (default
-`runs/bench-convert-mtp`). Prompts: the user turns of the bundled held-out chat set
+Training: `glm5.distill.mtp.train_mtp_self` (the model's greedy answers to `--self-prompts` prompts of the
+bundled chat training set, then the packaged config `train/smollm2-mtp` on them: frozen trunk, closed-form
+fit of the MTP layer), within `--minutes`, resumable in `--work` (default `runs/bench-convert-mtp`). Prompts: the user turns of the bundled held-out chat set
 (glm5/data/assets/sft/heldout.jsonl.gz, never trained on), every n-th so that every task is in, rendered
 with the model's chat template. Everything is greedy (temperature 0), fp32, through `glm5.LLM`:
   * acceptance: `--prompts` prompts batched, `speculative_num_tokens` k = 1 and 2, the engine's own
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from glm5 import LLM, SamplingParams  # noqa: E402
 from glm5.core.resources import bundled  # noqa: E402
-from glm5.train.mtp_recipe import train_mtp  # noqa: E402
+from glm5.distill.mtp import train_mtp_self  # noqa: E402
 
 
 def heldout_prompts(n: int) -> list[list[dict]]:
@@ -87,7 +87,8 @@ def acceptance(path: Path, prompts, max_tokens: int, plain: list | None = None) 
 
 def run(model_dir: str | Path, trained: str | Path | None = None, work: str | Path = "runs/bench-convert-mtp",
         minutes: float = 4.0, prompts: int = 32, max_tokens: int = 64, speed_prompts: int = 4,
-        threads: int = 0, baseline: bool = False, train_overrides: list[str] = (), log=print) -> dict:
+        threads: int = 0, baseline: bool = False, train_overrides: list[str] = (), self_prompts: int = 96,
+        log=print) -> dict:
     """Train (unless `trained` is given) and measure; returns a flat JSON-able dict (see the module doc)."""
     if threads:
         torch.set_num_threads(threads)
@@ -96,11 +97,13 @@ def run(model_dir: str | Path, trained: str | Path | None = None, work: str | Pa
     if trained is None:
         t0 = time.monotonic()
         overrides = [f"--train.num_threads={threads}"] if threads else []
-        trained = train_mtp(model_dir, work / "trained", minutes=minutes, log=log, run_dir=work / "run",
-                            overrides=[*overrides, *train_overrides])
-        res["train_minutes"] = round((time.monotonic() - t0) / 60, 2)
+        trained = train_mtp_self(model_dir, work / "trained", minutes=minutes, prompts=self_prompts,
+                                 max_tokens=max_tokens, log=log, work=work / "run",
+                                 overrides=[*overrides, *train_overrides])
+        res["train_minutes"] = round((time.monotonic() - t0) / 60, 2)  # the answers, the fit, any steps, the write
         res["train_minutes_limit"] = minutes
-        res.update(_train_record(work / "run" / "metrics.jsonl"))
+        res["self_answer_prompts"] = self_prompts
+        res.update(_train_record(work / "run" / "train" / "metrics.jsonl"))
     trained = Path(trained)
     res["trained"] = str(trained)
     tok = _engine(trained, 0, 1).tokenizer
@@ -134,8 +137,9 @@ def _train_record(path: Path) -> dict:
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r for r in recs if "mtp_loss" in r]
     final = next((r for r in reversed(recs) if r.get("event") == "final"), {})
+    init = next((r for r in recs if r.get("event") == "mtp_init"), {})
     out = {"train_steps": steps[-1]["step"] if steps else 0,
-           "train_tokens": sum(r.get("tokens", 0) for r in steps)}
+           "fit_positions": init.get("positions", 0), "fit_seconds": round(init.get("seconds", 0.0), 1)}
     for key in ("val_mtp_loss", "val_mtp_agree"):
         if key in final:
             out[key] = round(final[key], 4)
@@ -152,11 +156,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--speed-prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--self-prompts", type=int, default=96, help="prompts the model answers for its training data")
     ap.add_argument("--baseline", action="store_true", help="also the untrained MTP layer's acceptance")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
     res = run(args.model_dir, args.trained, args.work, args.minutes, args.prompts, args.max_tokens,
-              args.speed_prompts, args.threads, args.baseline, overrides)
+              args.speed_prompts, args.threads, args.baseline, overrides, args.self_prompts)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -61,4 +61,4 @@ def test_shipped_train_configs_load():
     from glm5.train.config import TrainConfig
     for path in sorted((configs_dir() / "train").glob("*.toml")):
         cfg = load_config(TrainConfig, path)
-        assert cfg.train.steps > 0, path
+        assert cfg.train.steps > 0 or cfg.train.mtp_init != "none", path  # 0 steps: a closed-form fit alone

@@ -219,13 +219,16 @@ def test_chat_jsonl_is_rendered_with_the_models_tokenizer(tmp_path):
                     data={"train_path": str(chat), "val_path": str(chat), "batch_size": 2, "seq_len": 40})
     cfg = config(tmp_path / "run", **sections)
     one = ChatData(cfg)
-    first = one.tokenizer.apply_chat_template(convs[0]["messages"], add_generation_prompt=False)
-    assert [d.tolist() for d in one.docs][0] == first
+    tok = one.tokenizer
+    first = tok.apply_chat_template(convs[0]["messages"], add_generation_prompt=False)
+    prompt = tok.apply_chat_template(convs[0]["messages"][:1], add_generation_prompt=True)
+    ids, mask = one.docs[0]
+    assert ids.tolist() == first and mask.tolist() == [False] * len(prompt) + [True] * (len(first) - len(prompt))
+    assert "answer" in tok.decode(ids[mask].tolist()) and "question" not in tok.decode(ids[mask].tolist())
     b = one.next_batch()
     assert set(b) == {"input_ids", "labels", "position_ids", "segment_ids"} and b["input_ids"].shape == (2, 40)
-    row, seg = b["input_ids"][0], b["segment_ids"][0]
-    inside = (seg[:-1] == seg[1:]) & (seg[:-1] > 0)
-    assert torch.equal(b["labels"][0][:-1][inside], row[1:][inside])  # every token inside a conversation is a target
+    targets = b["labels"][b["labels"] != IGNORE]
+    assert len(targets) and "question" not in tok.decode(targets.tolist())  # the assistant turns only
     # elastic: two data ranks read the one-rank rows; a resumed source continues exactly
     ranks = [ChatData(cfg, rank=r, world_size=2) for r in range(2)]
     again = ChatData(cfg)
@@ -345,3 +348,15 @@ def test_self_answers_are_the_models_greedy_output(tmp_path):
     prompt = llm.tokenizer.apply_chat_template(rows[0]["messages"][:-1], add_generation_prompt=True)
     again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
     assert rows[0]["messages"][-1]["content"] == llm.tokenizer.decode(again.token_ids, skip_special_tokens=True)
+
+
+def test_fit_alone_with_zero_steps(tmp_path):
+    t = make(tmp_path, train={"trainable": "mtp", "mtp_target": "self", "mtp_weight": 1.0, "mtp_init": "lstsq",
+                              "mtp_init_batches": 2, "steps": 0})
+    before = state(t.raw_model)
+    summary = t.fit()
+    assert t.history == [] and "val_mtp_agree" in summary
+    assert not torch.equal(before["model.layers.2.eh_proj.weight"], t.raw_model.state_dict()["model.layers.2.eh_proj.weight"])
+    assert (tmp_path / "final" / "config.json").is_file()
+    with pytest.raises(ConfigError, match=r"train\.steps"):
+        config(tmp_path, train={"steps": 0})

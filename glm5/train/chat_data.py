@@ -4,10 +4,12 @@ Used when `data.train_path` names a `.jsonl` / `.jsonl.gz` file (`bundled:sft/tr
 chat set) instead of a shard directory: no `glm5 data tokenize` step. Each line is a conversation
 (`{"messages": [...]}`, OpenAI format, as `glm5.data.sft` reads it) or `{"text": ...}`. Conversations
 are rendered with the chat template of the tokenizer in `model.name` (a checkpoint directory), exactly
-as the engine renders a chat prompt plus its answer, and every token is a causal-LM target: the MTP
-layer and the indexers (`train.trainable`) learn from prompts and answers alike. Documents are
-packed into rows of `data.seq_len` with `segment_ids` (attention stays inside each conversation) and
-positions restarting at 0.
+as the engine renders a chat prompt plus its answer. The targets are the assistant turns (what the
+model generates, its end-of-turn tokens included; where speculative drafts are made), the rest is
+context: each turn's tokens are those the full rendering adds after the prompt rendered with the
+generation prompt (a template for which that is not a prefix makes the whole conversation targets).
+`text` lines are targets throughout. Documents are packed into rows of `data.seq_len` with
+`segment_ids` (attention stays inside each conversation) and positions restarting at 0.
 
 Order: epoch e walks a permutation of the conversations that depends only on (data.seed, e); global
 row k of the epoch's packed rows goes to data rank (k // B) % W, so the state is (epoch, row cursor)
@@ -37,9 +39,25 @@ def is_chat_path(path: str) -> bool:
     return str(path).endswith((".jsonl", ".jsonl.gz"))
 
 
-def encode_chat_file(tokenizer: GLMTokenizer, path: str) -> list[np.ndarray]:
-    """Token ids of every line of `path`: a conversation rendered with the chat template (no generation
-    prompt: the assistant turns are in the text), or a `text` line plus EOS. A line that cannot be
+def assistant_mask(tokenizer: GLMTokenizer, messages: list[dict], tools=None) -> tuple[list[int], np.ndarray]:
+    """(ids, mask): the conversation rendered with the chat template, mask True on the assistant turns'
+    tokens (see the module docstring)."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+    mask = np.zeros(len(ids), dtype=bool)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True) if i else []
+        upto = tokenizer.apply_chat_template(messages[:i + 1], tools=tools, add_generation_prompt=False)
+        if ids[:len(upto)] != upto or upto[:len(prompt)] != prompt:
+            return ids, np.ones(len(ids), dtype=bool)  # not prefix-consistent: every token a target
+        mask[len(prompt):len(upto)] = True
+    return ids, mask
+
+
+def encode_chat_file(tokenizer: GLMTokenizer, path: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(token ids, target mask) of every line of `path`: a conversation rendered with the chat template
+    (targets: the assistant turns), or a `text` line plus EOS (all targets). A line that cannot be
     rendered raises naming it."""
     if tokenizer.chat_template is None:
         raise ValueError(f"data.train_path {path} is chat JSONL but the tokenizer has no chat template")
@@ -47,15 +65,14 @@ def encode_chat_file(tokenizer: GLMTokenizer, path: str) -> list[np.ndarray]:
     for n, ex in enumerate(sft.read_chat_jsonl(path), 1):
         if ex.text is not None:
             ids = tokenizer.encode(ex.text) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+            mask = np.ones(len(ids), dtype=bool)
         else:
             try:
-                text = tokenizer.apply_chat_template(ex.messages, tools=ex.tools, add_generation_prompt=False,
-                                                     tokenize=False)
+                ids, mask = assistant_mask(tokenizer, ex.messages, ex.tools)
             except Exception as e:  # template errors
                 raise sft.SFTDataError(f"{path}: example {n} (id {ex.meta.get('id', '?')}): cannot render: {e}") from e
-            ids = tokenizer.encode(text)
         if len(ids) >= 2:
-            out.append(np.asarray(ids, dtype=np.int64))
+            out.append((np.asarray(ids, dtype=np.int64), mask))
     if not out:
         raise sft.SFTDataError(f"{path}: no example of two or more tokens")
     return out
@@ -90,15 +107,15 @@ class ChatData(DataSource):
 
     @property
     def num_tokens(self) -> int:
-        return int(sum(len(d) for d in self.docs))
+        return int(sum(len(ids) for ids, _ in self.docs))
 
     def epoch_batches(self) -> int:
         """Batches of this rank that cover one pass over the packed training rows."""
         per_call = self.micro_batch_size * self.world
         return -(-len(self._rows["input_ids"]) // per_call)
 
-    def _pack(self, docs: list[np.ndarray]) -> dict[str, np.ndarray]:
-        return sft.pack([(d, np.ones(len(d), dtype=bool)) for d in docs], self.cfg.seq_len, self.pad_id)
+    def _pack(self, docs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+        return sft.pack(docs, self.cfg.seq_len, self.pad_id)
 
     def _epoch_rows(self, epoch: int) -> dict[str, np.ndarray]:
         order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.docs))

@@ -72,7 +72,7 @@ class ScheduleConfig:
 @dataclass(kw_only=True)
 class TrainSection:
     steps: int = 1000
-    """Optimizer steps."""
+    """Optimizer steps (0 with `mtp_init`: the closed-form fit alone)."""
     seed: int = 0
     """Seed of model init, the objective draw and everything else random."""
     grad_accum: int = 1
@@ -261,8 +261,9 @@ class TrainConfig:
         if self.train.steps < 1 and self.dsa.indexer_warmup_steps > 0:
             raise ValueError("train.steps must be >= 1; to train only the indexers (resumable, checkpointed) set "
                              "train.trainable = 'indexer' with train.steps = N and dsa.indexer_warmup_steps = 0")
-        if self.train.grad_accum < 1 or self.train.steps < 1:
-            raise ValueError("train.steps and train.grad_accum must be >= 1")
+        if self.train.grad_accum < 1 or self.train.steps < (0 if self.train.mtp_init != "none" else 1):
+            raise ValueError("train.steps and train.grad_accum must be >= 1 (train.steps = 0 only with train.mtp_init: "
+                             "the closed-form fit alone)")
         if self.train.trainable == "mtp" and self.train.mtp_weight <= 0:
             raise ValueError("train.trainable = 'mtp' needs train.mtp_weight > 0 (the MTP loss is all that trains)")
         if self.train.mtp_target == "self" and self.train.trainable == "indexer":

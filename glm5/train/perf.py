@@ -19,9 +19,9 @@ from torch import nn
 CACHE = Path(os.environ.get("GLM5_CACHE", Path.home() / ".cache" / "glm5")) / "matmul_peak.json"
 
 
-def active_params(model: nn.Module, include_mtp: bool = False) -> int:
+def active_params(model: nn.Module, include_mtp: bool = False, names: set[str] | None = None) -> int:
     """Parameters one token passes through: all but the input embedding, with each routed-expert
-    stack counted at top_k / n_routed_experts (and the MTP layer only when it runs)."""
+    stack counted at top_k / n_routed_experts (and the MTP layer only when it runs); `names`: only those."""
     cfg = getattr(model, "config", None)
     frac = (cfg.num_experts_per_tok / cfg.n_routed_experts) if cfg is not None and cfg.n_routed_experts else 1.0
     n_main = getattr(cfg, "num_hidden_layers", None)
@@ -32,6 +32,8 @@ def active_params(model: nn.Module, include_mtp: bool = False) -> int:
         if id(p) in embed and p is not head:
             continue
         if not include_mtp and n_main is not None and f"layers.{n_main}." in name:
+            continue
+        if names is not None and name not in names:
             continue
         total += p.numel() * (frac if ".experts." in name else 1.0)
     return int(total)

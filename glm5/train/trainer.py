@@ -146,6 +146,11 @@ class Trainer:
                 raise ValueError(f"train.trainable = {cfg.train.trainable!r} needs the trainer's own forward "
                                  "(this command passes its own loss)")
             self.trainable_params = freeze_except(self.raw_model, cfg.train.trainable)
+            # MFU's 6 FLOPs per active parameter assume a backward through all of them: the frozen part
+            # costs its forward (2), the trained part forward and backward (6)
+            trained = perf.active_params(self.raw_model, include_mtp=True,
+                                         names=set(trainable_names(self.raw_model, cfg.train.trainable)))
+            self.active_params = (2 * self.active_params + 4 * trained) // 6
             dist.print0(f"train.trainable = {cfg.train.trainable}: {self.trainable_params:,} parameters train, "
                         "the rest is frozen")
         self.optimizer = build_optimizer(self.model, cfg.optim)
