@@ -1,12 +1,14 @@
 """Train the MTP layer of a checkpoint on its frozen trunk in bounded time: `train_mtp(model_dir, out_dir)`.
 
 The recipe is the packaged config `train/smollm2-mtp` (glm5/configs/train/smollm2-mtp.toml): the trunk
-frozen (`train.trainable = "mtp"`), the MTP layer self-distilled from the trunk's own next-token
-distribution (`train.mtp_target = "self"`) on the bundled chat set rendered with the checkpoint's chat
-template, the LR schedule annealed over `minutes` of wall time (`train.time_limit_min`). The run keeps
-its checkpoints and metrics in `run_dir` (default `<out_dir>.run/`), so calling again after an
-interruption resumes it; the result is written to `out_dir` atomically as an HF checkpoint with the
-input's files (config.json, safetensors, generation_config.json, the tokenizer files copied as they are).
+frozen (`train.trainable = "mtp"`), the MTP layer fitted in closed form to the trunk's next hidden state
+(`train.mtp_init = "lstsq"`), then `train.steps` self-distillation steps (`train.mtp_target = "self"`; 0 in
+the packaged config, measured not to help) within what is left of `minutes`, on chat JSONL rendered with
+the checkpoint's chat template (the bundled chat set unless `--data.train_path` says otherwise; the model's
+own answers, `glm5.distill.mtp.train_mtp_self`, do far better). The run keeps its checkpoints and metrics
+in `run_dir` (default `<out_dir>.run/`), so calling again after an interruption resumes it; the result is
+written to `out_dir` atomically as an HF checkpoint with the input's files (config.json, safetensors,
+generation_config.json, the tokenizer files copied as they are).
 
     from glm5.train.mtp_recipe import train_mtp
     path = train_mtp("runs/smollm2-glm5", "runs/smollm2-mtp", minutes=4)
