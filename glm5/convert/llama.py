@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from glm5.core.io import LazyTensors, atomic_dir, safetensors_files
+from glm5.data.tokenizer import copy_tokenizer_files
 from glm5.model.config import ModelConfig
 from glm5.model.generation_config import GenerationConfig
 from glm5.model.model import GLM5ForCausalLM
@@ -54,7 +55,6 @@ REFUSED = {"qwen3": "per-head QK RMSNorm (q_norm / k_norm) on queries and keys",
            "phi3": "a fused qkv projection with longrope scaling that depends on the sequence length",
            "mixtral": "a sliding window and routed experts without a shared expert",
            "gpt2": "learned absolute positions and LayerNorm", "gpt_neox": "LayerNorm and partial rotary"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class ConversionError(ValueError):
@@ -459,10 +459,7 @@ def convert_llama(src: str | Path, out: str | Path, opts: ConvertOptions | None 
         with atomic_dir(out) as tmp:
             model.save_pretrained(tmp, dtype=dtype)
             if source.tokenizer_dir is not None:
-                for name in TOKENIZER_FILES:
-                    f = source.tokenizer_dir / name
-                    if f.is_file():
-                        (tmp / name).write_bytes(f.read_bytes())
+                copy_tokenizer_files(source.tokenizer_dir, tmp)
     n = model.num_parameters()
     return {"out": str(out), "source": source.origin, "parameters": n, "layers": cfg.num_hidden_layers,
             "experts": cfg.n_routed_experts, "dtype": str(dtype).replace("torch.", "")}

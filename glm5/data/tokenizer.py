@@ -232,6 +232,24 @@ class GLMTokenizer:
         return out
 
 
+# A checkpoint's tokenizer files, copied verbatim next to a model made from it (converted, or trained).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """Copy the TOKENIZER_FILES (and `extra` names) that exist in directory `src` into `dst`, byte for byte;
+    returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in (*TOKENIZER_FILES, *extra):
+        if (src / name).is_file():
+            (dst / name).write_bytes((src / name).read_bytes())
+            copied.append(name)
+    return copied
+
+
 def load_tokenizer(path: str | Path) -> GLMTokenizer:
     """Load a tokenizer directory (or a bare `tokenizer.json`, or `bundled:tokenizer-8k`): any HF one.
 

@@ -18,20 +18,16 @@ and a resumed run sees the rows an uninterrupted one would. Validation packs `da
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from glm5.data import sft
-from glm5.data.tokenizer import GLMTokenizer, load_tokenizer
+from glm5.data.tokenizer import GLMTokenizer, copy_tokenizer_files, load_tokenizer
 
 from .data import DataSource
 
-# tokenizer files copied verbatim next to a trained model (the source checkpoint's own files)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "added_tokens.json")
 
 
 def is_chat_path(path: str) -> bool:
@@ -161,7 +157,4 @@ class ChatData(DataSource):
         if self.tokenizer_dir is None:
             self.tokenizer.save(directory)
             return
-        directory.mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if (self.tokenizer_dir / name).is_file():
-                shutil.copyfile(self.tokenizer_dir / name, directory / name)
+        copy_tokenizer_files(self.tokenizer_dir, directory)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -20,10 +19,9 @@ from glm5.core.config import load_config
 from glm5.core.io import atomic_dir
 from glm5.data.tokenize_cli import TokenizeConfig
 from glm5.data.tokenize_cli import run as tokenize
-from glm5.data.tokenizer import load_tokenizer
+from glm5.data.tokenizer import copy_tokenizer_files, load_tokenizer
 from glm5.model.hf_adapter import save_pretrained
 
-from .chat_data import TOKENIZER_FILES
 from .config import TrainConfig
 from .trainer import Trainer
 
@@ -60,9 +58,7 @@ def write_checkpoint(model, source_dir: str | Path, out_dir: str | Path) -> Path
     source_dir = Path(source_dir)
     with atomic_dir(out_dir) as tmp:
         save_pretrained(model, tmp)
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (source_dir / name).is_file():
-                shutil.copyfile(source_dir / name, tmp / name)
+        copy_tokenizer_files(source_dir, tmp, extra=("generation_config.json",))
     return Path(out_dir)
 
 
