@@ -153,8 +153,11 @@ def _read_hf_dir(path: Path) -> LlamaSource:
     return _source(cfg, str(path), lambda n: lazy.get(n).float(), frozenset(lazy.keys()), tok_dir, gen)
 
 
-def _read_gguf(path: Path, work_dir: Path) -> LlamaSource:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def read_gguf_tensors(path: Path):
+    """(transformers config, {HF name: dequantized tensor}) of a GGUF file, read by transformers' own GGUF
+    reader (which also undoes llama.cpp's q/k row permutation). Needs no `accelerate`, unlike
+    `from_pretrained(gguf_file=...)`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
@@ -164,7 +167,13 @@ def _read_gguf(path: Path, work_dir: Path) -> LlamaSource:
     _check_model_type(cfg.model_type, path)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return cfg, load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def _read_gguf(path: Path, work_dir: Path) -> LlamaSource:
+    from transformers import AutoTokenizer
+
+    cfg, tensors = read_gguf_tensors(path)
     tok_dir = work_dir / "tokenizer"
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tok_dir)
     gen = {k: v for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id),

@@ -49,10 +49,22 @@ def load_reference(source: str | Path):
 
         source = smollm2_gguf()
     path = Path(source)
-    kwargs = {"dtype": torch.float32, "attn_implementation": "eager"}
     if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs).eval()
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+        # Built from the config and filled from transformers' GGUF reader: `from_pretrained(gguf_file=)`
+        # would also work but insists on `accelerate`, which nothing else here needs.
+        from .llama import read_gguf_tensors
+
+        cfg, tensors = read_gguf_tensors(path)
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+        model.tie_weights()
+        tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{path}: GGUF tensors do not fill {type(model).__name__}: missing "
+                             f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @torch.no_grad()
