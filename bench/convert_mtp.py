@@ -15,7 +15,8 @@ with the model's chat template. Everything is greedy (temperature 0), fp32, thro
   * identical: those outputs against the same prompts without speculation (token ids, every prompt);
   * speed: `--speed-prompts` prompts one at a time (max_num_seqs = 1), decode tokens/s = generated tokens
     after the first / (last token time - first token time), per k, and the ratio to k = 0.
-`--baseline` also measures the acceptance of MODEL_DIR's MTP layer as converted (untrained).
+`--prompt-lookup N` (default 3) also measures both with the drafts corrected by prompt lookup
+(`prompt_lookup_max = N`, keys prefixed `lookup_`). `--baseline` also measures the acceptance of MODEL_DIR's MTP layer as converted (untrained).
 `run(model_dir, ...) -> dict` is what bench/convert.py calls.
 """
 
@@ -46,15 +47,16 @@ def heldout_prompts(n: int) -> list[list[dict]]:
     return [[next(m for m in r["messages"] if m["role"] == "user")] for r in rows[::step][:n]]
 
 
-def _engine(path: Path, k: int, seqs: int) -> LLM:
-    return LLM(str(path), dtype="float32", speculative_num_tokens=k, max_num_seqs=seqs)
+def _engine(path: Path, k: int, seqs: int, lookup: int = 0) -> LLM:
+    return LLM(str(path), dtype="float32", speculative_num_tokens=k, max_num_seqs=seqs, prompt_lookup_max=lookup)
 
 
 def generate(path: Path, k: int, prompts: list[list[int]], max_tokens: int, seqs: int,
-             warm_up: bool = False) -> tuple[list, dict, float]:
+             warm_up: bool = False, lookup: int = 0) -> tuple[list, dict, float]:
     """-> (token ids per prompt, engine stats, decode tokens/s over the requests). `warm_up`: one short
-    request first (kernels, caches) for timing; its drafts then count in the engine's acceptance stats."""
-    llm = _engine(path, k, seqs)
+    request first (kernels, caches) for timing; its drafts then count in the engine's acceptance stats.
+    `lookup`: prompt_lookup_max (MTP drafts corrected by prompt lookup; 0 = MTP alone)."""
+    llm = _engine(path, k, seqs, lookup)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     if warm_up:
         llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))
@@ -70,23 +72,27 @@ def generate(path: Path, k: int, prompts: list[list[int]], max_tokens: int, seqs
     return ids, stats, tokens / seconds if seconds else 0.0
 
 
-def acceptance(path: Path, prompts, max_tokens: int, plain: list | None = None) -> dict:
-    """Acceptance at k = 1, 2 with `prompts` batched; identical outputs against `plain` (k = 0)."""
+def acceptance(path: Path, prompts, max_tokens: int, plain: list | None = None, lookup: int = 0) -> dict:
+    """Acceptance at k = 1, 2 with `prompts` batched; identical outputs against `plain` (k = 0). Keys get a
+    `lookup_` prefix when prompt lookup corrects the drafts."""
     out = {}
+    pre = "lookup_" if lookup else ""
     for k in (1, 2):
-        ids, st, _ = generate(path, k, prompts, max_tokens, len(prompts))
-        out[f"acceptance_k{k}"] = round(st["spec_acceptance_rate"], 4)
-        out[f"acceptance_k{k}_per_position"] = [round(x, 4) for x in st["spec_acceptance_per_position"]]
-        out[f"drafts_k{k}"] = int(st["spec_num_draft_tokens"])
+        ids, st, _ = generate(path, k, prompts, max_tokens, len(prompts), lookup=lookup)
+        out[f"{pre}acceptance_k{k}"] = round(st["spec_acceptance_rate"], 4)
+        out[f"{pre}acceptance_k{k}_per_position"] = [round(x, 4) for x in st["spec_acceptance_per_position"]]
+        out[f"{pre}drafts_k{k}"] = int(st["spec_num_draft_tokens"])
+        if lookup:
+            out[f"{pre}changed_drafts_k{k}"] = int(st["spec_num_lookup_draft_tokens"])
         if plain is not None:
-            out[f"identical_k{k}"] = sum(a == b for a, b in zip(ids, plain))
+            out[f"{pre}identical_k{k}"] = sum(a == b for a, b in zip(ids, plain))
     return out
 
 
 def run(model_dir: str | Path, trained: str | Path | None = None, work: str | Path = "runs/bench-convert-mtp",
         minutes: float = 4.0, prompts: int = 32, max_tokens: int = 64, speed_prompts: int = 4,
         threads: int = 0, baseline: bool = False, train_overrides: list[str] = (), self_prompts: int = 96,
-        log=print) -> dict:
+        lookup: int = 3, log=print) -> dict:
     """Train (unless `trained` is given) and measure; returns a flat JSON-able dict (see the module doc)."""
     if threads:
         torch.set_num_threads(threads)
@@ -112,18 +118,24 @@ def run(model_dir: str | Path, trained: str | Path | None = None, work: str | Pa
     plain, _, _ = generate(trained, 0, ids, max_tokens, len(ids))
     res["generated_tokens"] = sum(len(p) for p in plain)
     res.update(acceptance(trained, ids, max_tokens, plain))
+    if lookup:
+        res["prompt_lookup_max"] = lookup
+        res.update(acceptance(trained, ids, max_tokens, plain, lookup=lookup))
     if baseline:
         base = acceptance(model_dir, ids, max_tokens)
         res.update({f"untrained_{k}": v for k, v in base.items() if k.startswith("acceptance_k") and "per" not in k})
     speed = {}
     outs = {}
-    for k in (0, 1, 2):
-        outs[k], _, speed[k] = generate(trained, k, ids[:speed_prompts], max_tokens, 1, warm_up=True)
-        res[f"tok_s_k{k}"] = round(speed[k], 2)
+    runs = [(0, 0), (1, 0), (2, 0)] + ([(1, lookup), (2, lookup)] if lookup else [])
+    for k, n in runs:
+        key = f"{'lookup_' if n else ''}k{k}"
+        outs[key], _, speed[key] = generate(trained, k, ids[:speed_prompts], max_tokens, 1, warm_up=True, lookup=n)
+        res[f"tok_s_{key}"] = round(speed[key], 2)
     res["speed_prompts"] = min(speed_prompts, len(ids))
-    for k in (1, 2):
-        res[f"speedup_k{k}"] = round(speed[k] / speed[0], 3) if speed[0] else None
-        res[f"identical_batch1_k{k}"] = sum(a == b for a, b in zip(outs[k], outs[0]))
+    for key in speed:
+        if key != "k0":
+            res[f"speedup_{key}"] = round(speed[key] / speed["k0"], 3) if speed["k0"] else None
+            res[f"identical_batch1_{key}"] = sum(a == b for a, b in zip(outs[key], outs["k0"]))
     log(json.dumps(res))
     return res
 
@@ -156,10 +168,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--self-prompts", type=int, default=96, help="prompts the model answers for its training data")
     ap.add_argument("--baseline", action="store_true", help="also the untrained MTP layer's acceptance")
+    ap.add_argument("--prompt-lookup", type=int, default=3,
+                    help="also measure MTP drafts corrected by prompt lookup (prompt_lookup_max; 0 = skip)")
     ap.add_argument("--out", default=None)
     args, overrides = ap.parse_known_args()
     res = run(args.model_dir, args.trained, args.work, args.minutes, args.prompts, args.max_tokens,
-              args.speed_prompts, args.threads, args.baseline, overrides, args.self_prompts)
+              args.speed_prompts, args.threads, args.baseline, overrides, args.self_prompts, args.prompt_lookup)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -133,3 +133,44 @@ def test_logprob_token_ids_with_drafts_equal_plain_decoding(model):
         assert set(b) == {tok, *want} and list(b)[0] == tok
         for t in a:
             assert b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) and b[t].rank == a[t].rank
+
+
+def _lookup_reference(tokens, n_min, n_max):
+    """Brute force: for n from n_max down, every earlier window equal to the last n tokens, latest first."""
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        hits = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if hits:
+            return tokens[hits[-1] + n]
+    return None
+
+
+def test_prompt_lookup_matches_brute_force():
+    from glm5.infer.mtp import prompt_lookup
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        for lo, hi in ((1, 1), (2, 4), (3, 3)):
+            assert prompt_lookup(seq, lo, hi) == _lookup_reference(seq, lo, hi), (seq, lo, hi)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_prompt_lookup_drafts_keep_greedy_exact(model, k):
+    """Repetitive prompts make prompt lookup replace MTP drafts; the output is still plain greedy."""
+    prompts = [[5, 9, 33, 5, 9, 33, 5, 9], [17, 4, 17, 4, 17, 4, 17], PROMPTS[2]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [model.generate_greedy(torch.tensor([p]), 12)[0, len(p):].tolist() for p in prompts]
+    engine = make(model, k, prompt_lookup_max=3, prompt_lookup_min=1)
+    assert run(engine, prompts, params) == ref
+    st = engine.get_stats()
+    assert st["spec_num_lookup_draft_tokens"] > 0
+    assert 0 <= st["spec_num_accepted_tokens"] <= st["spec_num_draft_tokens"]
+
+
+def test_prompt_lookup_config_errors():
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        EngineConfig(prompt_lookup_max=2, prompt_lookup_min=3, speculative_num_tokens=1)
+    with pytest.raises(ValueError, match="speculative_num_tokens"):
+        EngineConfig(prompt_lookup_max=2)

@@ -43,6 +43,11 @@ class EngineConfig:
     kernels: Literal["auto", "native", "torch"] = "auto"
     huge_pages: bool = True  # CPU: weights on transparent huge pages where Linux offers them (glm5/infer/hugepages.py)
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
+    # prompt lookup on top of the MTP drafts (glm5/infer/mtp.py): where the request's last n tokens
+    # (n = prompt_lookup_max down to prompt_lookup_min) occurred before, draft the token that followed
+    # their latest occurrence instead of the MTP layer's; 0 = MTP drafts only (vLLM's ngram method's names)
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 2
     max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts
     enforce_eager: bool = False  # accepted for vLLM compatibility; no effect: the engine has no CUDA-graph path yet
@@ -76,6 +81,11 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.speculative_num_tokens < 0:
             raise ValueError(f"speculative_num_tokens must be >= 0, got {self.speculative_num_tokens}")
+        if self.prompt_lookup_max < 0 or (self.prompt_lookup_max and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError(f"prompt_lookup_max must be 0 (off) or >= prompt_lookup_min >= 1, got "
+                             f"prompt_lookup_max={self.prompt_lookup_max}, prompt_lookup_min={self.prompt_lookup_min}")
+        if self.prompt_lookup_max and not self.speculative_num_tokens:
+            raise ValueError("prompt_lookup_max refines MTP drafts: it needs speculative_num_tokens >= 1")
         if self.batch_timeout_ms < 0:
             raise ValueError(f"batch_timeout_ms must be >= 0, got {self.batch_timeout_ms}")
         if self.preferred_batch_size > self.max_batch_size:

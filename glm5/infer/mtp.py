@@ -12,6 +12,12 @@ step overwrites. Drafts are greedy (a one-hot draft distribution), so verificati
 greedy requests (accept while draft == target argmax) and distribution-preserving for sampled ones
 (`spec_verify`: accept d with prob p(d), else resample from p without d).
 
+With prompt lookup on (`prompt_lookup_max` > 0), a draft is replaced by the token that followed the
+latest earlier occurrence of the request's last n tokens (drafts so far included; longest n first, down
+to `prompt_lookup_min`) when there is one: answers copy names and phrases from their prompt, which one
+MTP layer rarely predicts (vLLM's `ngram` method, here as a correction of the MTP drafts). The chained MTP
+step then reads the chosen token. Verification is the same, so the output is too.
+
 Dims: N flat tokens, H hidden, V vocab, k drafts.
 """
 
@@ -23,9 +29,24 @@ from .input_batch import SeqChunk
 from .sampling import SamplingRow, spec_verify
 
 
+def prompt_lookup(tokens: list[int], n_min: int, n_max: int) -> int | None:
+    """The token after the latest earlier occurrence of `tokens`' last n tokens, for the longest n in
+    [n_min, n_max] that occurs; None when none does."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n:]
+        last = suffix[-1]
+        for end in range(size - 2, n - 2, -1):  # candidate occurrence tokens[end - n + 1 : end + 1]
+            if tokens[end] == last and tokens[end - n + 1:end + 1] == suffix:
+                return tokens[end + 1]
+    return None
+
+
 class MTPProposer:
-    def __init__(self, runner, num_drafts: int):
+    def __init__(self, runner, num_drafts: int, prompt_lookup_range: tuple[int, int] = (2, 0)):
         self.runner, self.k = runner, num_drafts
+        self.lookup_min, self.lookup_max = prompt_lookup_range  # lookup_max 0 = off
+        self.lookup_drafts = 0  # drafts prompt lookup changed (found a token other than the MTP layer's)
         self.proposed = [0] * num_drafts  # drafts verified at each draft position
         self.accepted = [0] * num_drafts
 
@@ -56,10 +77,10 @@ class MTPProposer:
             q0 = meta.query_start[i]
             rows.extend(range(q0, q0 + kept))
             if toks:
-                drafting.append((len(chunks) - 1, req, s.start + kept - 1))
+                drafting.append((len(chunks) - 1, req, s.start + kept - 1, seq[:s.start + kept + 1]))
         if not chunks:
             return {}
-        ends = [sum(c.num_tokens for c in chunks[: j + 1]) - 1 for j, _, _ in drafting]
+        ends = [sum(c.num_tokens for c in chunks[: j + 1]) - 1 for j, _, _, _ in drafting]
         logits, z = self.mtp_forward(chunks, hidden[torch.tensor(rows, device=hidden.device)],
                                      torch.tensor(ends, dtype=torch.long, device=hidden.device))
         return self._chain(logits, z[ends], drafting)
@@ -68,13 +89,19 @@ class MTPProposer:
         """logits [R, V] / z [R, H]: MTP output at each drafting request's last kept position -> k greedy
         drafts each; drafts 2..k run the layer on its own output (DeepSeek's recursive MTP)."""
         r = self.runner
-        drafts = {req.request_id: [] for _, req, _ in drafting}
-        pos = [p for _, _, p in drafting]
+        drafts = {req.request_id: [] for _, req, _, _ in drafting}
+        pos = [p for _, _, p, _ in drafting]
         live = list(range(len(drafting)))
         for j in range(self.k):
             tok = logits.argmax(-1).tolist()  # [R]
             for n, i in enumerate(live):
-                drafts[drafting[i][1].request_id].append(tok[n])
+                mine = drafts[drafting[i][1].request_id]
+                if self.lookup_max:
+                    found = prompt_lookup(drafting[i][3] + mine, self.lookup_min, self.lookup_max)
+                    if found is not None:
+                        self.lookup_drafts += int(found != tok[n])
+                        tok[n] = found
+                mine.append(tok[n])
             if j == self.k - 1:
                 break
             # next MTP position p+1 reads (draft, z_p); only where a slot exists for it
@@ -114,4 +141,4 @@ class MTPProposer:
         total = sum(self.proposed)
         return {"spec_num_draft_tokens": total, "spec_num_accepted_tokens": sum(self.accepted),
                 "spec_acceptance_rate": sum(self.accepted) / total if total else 0.0,
-                "spec_acceptance_per_position": rates}
+                "spec_acceptance_per_position": rates, "spec_num_lookup_draft_tokens": self.lookup_drafts}

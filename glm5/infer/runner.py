@@ -73,7 +73,8 @@ class ModelRunner:
         self.proposer = None
         if self.with_mtp:
             from .mtp import MTPProposer  # noqa: PLC0415 (only when speculation is on)
-            self.proposer = MTPProposer(self, config.speculative_num_tokens)
+            self.proposer = MTPProposer(self, config.speculative_num_tokens,
+                                         (config.prompt_lookup_min, config.prompt_lookup_max))
 
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
