@@ -70,10 +70,12 @@ def test_serve_without_model_serves_the_embedded_model(tiny_embedded):
     path, _, _ = tiny_embedded
     engine_cfg, server_cfg = parse_args([])
     assert engine_cfg.model == str(path)
-    assert engine_cfg.speculative_num_tokens == 1  # its MTP layer is trained for speculation
+    assert engine_cfg.speculative_num_tokens == 1 and engine_cfg.prompt_lookup_max == 3  # MTP trained for it
     assert server_cfg.served_model_name == "smollm2-glm5"
     engine_cfg, _ = parse_args(["--model", "tiny", "--speculative_num_tokens=0"])
     assert engine_cfg.model == "tiny" and engine_cfg.speculative_num_tokens == 0
+    engine_cfg, _ = parse_args(["--speculative_num_tokens=0"])  # the embedded model, speculation off
+    assert engine_cfg.speculative_num_tokens == 0 and engine_cfg.prompt_lookup_max == 0
 
 
 def test_missing_package_names_the_install_command(monkeypatch, tmp_path):

@@ -42,6 +42,9 @@ def parse_args(argv):
     p.add_argument("--quantization", choices=["int8"], default=None, help="weight-only INT8")
     p.add_argument("--speculative-num-tokens", type=int, default=None,
                    help="MTP draft tokens per step (default: 0; 1 for the embedded model)")
+    p.add_argument("--prompt-lookup-max", type=int, default=None,
+                   help="correct MTP drafts by prompt lookup of the last N..2 tokens (0 = off; default: 0, "
+                        "3 for the embedded model)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--max-session-len", type=int, default=None, help="--interactive: history token limit")
@@ -61,12 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     from glm5.infer.sampling import SamplingParams  # noqa: PLC0415
     # one prompt (or one beam per request): size the default KV cache for a few full-length sequences,
     # not the engine's 256 (max_model_len is the model's whole context unless given)
-    from glm5.cli.models import EMBEDDED_SPECULATIVE_TOKENS, is_embedded, resolve_model  # noqa: PLC0415
+    from glm5.cli.models import EMBEDDED_ENGINE_DEFAULTS, is_embedded, resolve_model  # noqa: PLC0415
+    embedded = is_embedded(args.model) and args.beam_width <= 1
     spec = args.speculative_num_tokens
     if spec is None:
-        spec = EMBEDDED_SPECULATIVE_TOKENS if is_embedded(args.model) and args.beam_width <= 1 else 0
+        spec = EMBEDDED_ENGINE_DEFAULTS["speculative_num_tokens"] if embedded else 0
+    lookup = args.prompt_lookup_max
+    if lookup is None:
+        lookup = EMBEDDED_ENGINE_DEFAULTS["prompt_lookup_max"] if embedded and spec else 0
+    if lookup and not spec:
+        print("glm5 generate: --prompt-lookup-max corrects MTP drafts: it needs --speculative-num-tokens >= 1",
+              file=sys.stderr)
+        return 2
     model = resolve_model(args.model)
-    opts = dict(quantization=args.quantization, speculative_num_tokens=spec,
+    opts = dict(quantization=args.quantization, speculative_num_tokens=spec, prompt_lookup_max=lookup,
                 max_model_len=args.max_model_len, max_session_len=args.max_session_len,
                 session_policy=args.session_policy, max_num_seqs=max(4, 2 * (args.beam_width or 1)))
     if args.device:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from glm5.apps.embedded import EMBEDDED, NAME, build_report, embedded_model
+from glm5.apps.embedded import EMBEDDED, NAME, SPECULATIVE, build_report, embedded_model
 
-# Draft tokens per step the embedded model is served with unless the command sets them: its MTP layer is
-# trained for it (acceptance in its build.json).
-EMBEDDED_SPECULATIVE_TOKENS = 1
+# Engine options the embedded model is served with unless the command sets them: its MTP layer is trained
+# for speculation (one draft per step, corrected by prompt lookup; acceptance in docs/convert.md).
+EMBEDDED_ENGINE_DEFAULTS = dict(SPECULATIVE)
 
 
 def resolve_model(value: str | None) -> str:

@@ -69,7 +69,7 @@ def _embedded(max_tokens: int, threads: int) -> int:
     """Build (first run) and talk to the embedded model; print the residual, MTP acceptance, tokens/s."""
     import torch
 
-    from glm5.apps.embedded import EMBEDDED, build_report, embedded_model
+    from glm5.apps.embedded import EMBEDDED, SPECULATIVE, build_report, embedded_model
     from glm5.infer.llm import LLM
     from glm5.infer.malloc import tune_malloc
     from glm5.infer.sampling import SamplingParams
@@ -90,7 +90,8 @@ def _embedded(max_tokens: int, threads: int) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     runs = {}
     for k in (1, 0):
-        llm = LLM(str(path), speculative_num_tokens=k, max_num_seqs=4, max_model_len=1024)
+        opts = SPECULATIVE if k else {"speculative_num_tokens": 0}
+        llm = LLM(str(path), **opts, max_num_seqs=4, max_model_len=1024)
         tok = llm.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                            tokenize=False) for p in CHAT_PROMPTS]
@@ -117,8 +118,10 @@ def _embedded(max_tokens: int, threads: int) -> int:
         print(f"conversion residual vs transformers' Llama (same GGUF): max |logit diff| "
               f"{res['max_abs_logit_diff']:.2e}, mean KL {res['mean_kl']:.2e} nats/token, greedy identical "
               f"{res['greedy_identical']}/{res['prompts']}")
-    print(f"MTP acceptance (1 draft token): {rate:.2f} ({spec['stats'].get('spec_num_accepted_tokens', 0)}/"
-          f"{spec['stats'].get('spec_num_draft_tokens', 0)} drafts)")
+    st = spec["stats"]
+    print(f"MTP acceptance (1 draft token per step, corrected by prompt lookup of up to "
+          f"{SPECULATIVE['prompt_lookup_max']} tokens): {rate:.2f} ({st.get('spec_num_accepted_tokens', 0)}/"
+          f"{st.get('spec_num_draft_tokens', 0)} drafts, {st.get('spec_num_lookup_draft_tokens', 0)} from the lookup)")
     print(f"batch-1 decode: {tps_spec:.1f} tok/s with MTP speculation, {tps_base:.1f} tok/s without "
           f"({tps_spec / tps_base:.2f}x); greedy answers identical {same}/{len(CHAT_PROMPTS)}")
     print(f"\nquickstart finished in {time.time() - t0:.0f}s: the model is {EMBEDDED} ({path}); "

@@ -45,9 +45,12 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
         raise ConfigError(f"unknown config table(s) {sorted(unknown)}; expected [engine] and [server]")
     engine_d, server_d = dict(d.get("engine", {})), dict(d.get("server", {}))
     apply_overrides(d := {"engine": engine_d, "server": server_d}, _qualify(_pairs(rest)))
-    from glm5.cli.models import EMBEDDED_SPECULATIVE_TOKENS, embedded_name, is_embedded, resolve_model
+    from glm5.cli.models import EMBEDDED_ENGINE_DEFAULTS, embedded_name, is_embedded, resolve_model
     if is_embedded(args.model):
-        engine_d.setdefault("speculative_num_tokens", EMBEDDED_SPECULATIVE_TOKENS)
+        if engine_d.get("speculative_num_tokens", 1) == 0:  # speculation off: no prompt lookup either
+            engine_d.setdefault("prompt_lookup_max", 0)
+        for key, value in EMBEDDED_ENGINE_DEFAULTS.items():
+            engine_d.setdefault(key, value)
         server_d.setdefault("served_model_name", embedded_name())
     engine_d["model"] = resolve_model(args.model)
     if args.lora:

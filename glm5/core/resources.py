@@ -22,7 +22,7 @@ from pathlib import Path
 
 BUNDLED_PREFIX = "bundled:"
 # Models built on first use (not shipped as files): name -> cache version (bumped when the recipe changes).
-BUILT_MODELS = {"smollm2-glm5": 1}
+BUILT_MODELS = {"smollm2-glm5": 2}  # bump when the build recipe changes: old caches are not reused
 
 
 def package_dir(*parts: str) -> Path:

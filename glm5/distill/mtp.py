@@ -60,6 +60,12 @@ def self_answers(model_dir: str | Path, out_path: str | Path, prompts: int = 96,
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=max(1, prompts))
     chats = chat_prompts(source, prompts)
     ids = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    room = llm.engine.config.max_model_len - max_tokens  # prompts longer than the model's context are left out
+    kept = [(c, i) for c, i in zip(chats, ids) if len(i) <= room]
+    if not kept:
+        raise ValueError(f"{model_dir}: none of the {len(ids)} prompts of {source} fits the model's context "
+                         f"({llm.engine.config.max_model_len} tokens) with {max_tokens} to generate")
+    chats, ids = [c for c, _ in kept], [i for _, i in kept]
     outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens))
     lines, tokens = [], 0
     for chat, o in zip(chats, outs):
