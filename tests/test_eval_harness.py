@@ -84,9 +84,11 @@ def test_eval_config_writes_results_and_report(tmp_path):
     saved = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
     assert {(r["model"], r["task"]) for r in saved} == {("a", "mmlu"), ("a", "exact"), ("b", "mmlu"), ("b", "exact")}
     exact_res = next(r for r in saved if r["task"] == "exact")
-    assert exact_res["metrics"]["exact_match"] == 0.5 and exact_res["n"] == 2
+    assert exact_res["metrics"]["exact_match"] == 0.5 and exact_res["n"] == 2 and exact_res["chance"] == 0.0
+    assert next(r for r in saved if r["task"] == "mmlu")["chance"] == 0.25  # four choices
     md = (tmp_path / "run" / "report.md").read_text()
-    assert "| mmlu | acc |" in md and "| knowledge |" in md and "| skills |" in md
+    assert "| mmlu | acc | 0.2500 |" in md and "| exact | exact_match | 0.0000 |" in md
+    assert "| knowledge |" in md and "| skills |" in md
     assert (tmp_path / "run" / "report.png").stat().st_size > 1000
 
 
@@ -117,7 +119,7 @@ def test_cli_mmlu_and_ppl_on_a_checkpoint(tmp_path, ckpt, one_thread, capsys):
     ppl = json.loads((tmp_path / "ppl.json").read_text())["metrics"]
     # a random model over an 8k vocabulary: about ln(8192) nats per token
     assert 5 < ppl["bits_per_byte"] < 20 and ppl["token_perplexity"] > 1000
-    assert "mmlu (n=8)" in capsys.readouterr().out
+    assert "mmlu (n=8, chance 0.2500)" in capsys.readouterr().out
 
 
 def test_cli_humaneval_samples_and_bad_input(tmp_path, capsys):
@@ -125,7 +127,9 @@ def test_cli_humaneval_samples_and_bad_input(tmp_path, capsys):
     rows = [{"task_id": "t/0", "prompt": "def add(a, b):\n", "entry_point": "add",
              "test": "def check(f):\n    assert f(2, 3) == 5\n"},
             {"task_id": "t/1", "prompt": "def neg(a):\n", "entry_point": "neg",
-             "test": "def check(f):\n    assert f(2) == -2\n"}]
+             "test": "def check(f):\n    assert f(2) == -2\n"},
+            {"task_id": "t/2", "prompt": "def one():\n", "entry_point": "one",  # no samples: not scored
+             "test": "def check(f):\n    assert f() == 1\n"}]
     problems.write_text("".join(json.dumps(r) + "\n" for r in rows))
     samples = tmp_path / "samples.jsonl"
     comps = [("t/0", "    return a + b\n"), ("t/0", "    return a - b\n"), ("t/1", "    return -a\n"),
@@ -136,9 +140,10 @@ def test_cli_humaneval_samples_and_bad_input(tmp_path, capsys):
                       "--k", "1,2", "--timeout", "2", "--output", str(out), "--no-progress"]) == 0
     res = json.loads(out.read_text())
     assert res["metrics"] == {"pass@1": 0.5, "pass@2": 1.0}
+    assert res["n"] == 2 and res["documents"] == 3 and res["chance"] == 0.0  # n: problems scored
     statuses = [json.loads(line)["record"]["status"] for line in out.with_suffix(".records.jsonl").read_text()
                 .splitlines()[1:]]
-    assert statuses == [["pass", "fail"], ["pass", "timeout"]]
+    assert statuses == [["pass", "fail"], ["pass", "timeout"], []]
     samples.write_text('{"task_id": "t/0"}\n')
     assert glm5_main(["eval", "--task", "humaneval", "--data", str(problems), "--samples", str(samples),
                       "--output", str(tmp_path / "he2.json"), "--no-progress"]) == 2

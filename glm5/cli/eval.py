@@ -118,5 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for r in results:
         ms = "  ".join(f"{k}={v:.4f}" for k, v in r["metrics"].items())
-        print(f"{r['model']} | {r['task']} (n={r['n']}): {ms}")
+        chance = "" if r.get("chance") is None else f", chance {r['chance']:.4f}"
+        print(f"{r['model']} | {r['task']} (n={r['n']}{chance}): {ms}")
     return 0

@@ -146,10 +146,12 @@ def run_task(task: Task, model: EvalModel | None, out: Path, *, model_name: str,
             bar.update(len(part))
     if bar is not None:
         bar.close()
-    metrics = task.aggregate([done[d.id] for d in docs])
+    records = [done[d.id] for d in docs]
+    metrics = task.aggregate(records)
     result = {"task": label or task.name, "model": model_name, "dimension": task.dimension, "primary": task.primary,
               "metrics": {k: v for k, (v, _) in metrics.items()}, "stderr": {k: se for k, (_, se) in metrics.items()},
-              "n": len(docs), "config": fingerprint}
+              "n": task.scored(records), "documents": len(docs), "chance": task.chance(records),
+              "config": fingerprint}
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out, result)
     return result

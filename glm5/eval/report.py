@@ -32,15 +32,17 @@ def markdown(results: list[dict]) -> str:
     models = list(dict.fromkeys(r["model"] for r in results))
     tasks = list(dict.fromkeys((r["task"], r["primary"]) for r in results))
     by = {(r["model"], r["task"]): r for r in results}
-    lines = ["# Evaluation report", "", "## Per task (primary metric ± standard error; n documents)", "",
-             "| task | metric | " + " | ".join(models) + " |", "|---|---|" + "---|" * len(models)]
+    lines = ["# Evaluation report", "", "## Per task (primary metric ± standard error; n documents scored; "
+             "chance: the metric of random guessing, - where it is not defined)", "",
+             "| task | metric | chance | " + " | ".join(models) + " |", "|---|---|---|" + "---|" * len(models)]
     for task, primary in tasks:
         cells = []
         for m in models:
             r = by.get((m, task))
             cells.append("-" if r is None else f"{_fmt(r['metrics'].get(primary), r['stderr'].get(primary))} "
                                                 f"(n={r['n']})")
-        lines.append(f"| {task} | {primary} | " + " | ".join(cells) + " |")
+        chance = next((by[(m, task)].get("chance") for m in models if (m, task) in by), None)
+        lines.append(f"| {task} | {primary} | {_fmt(chance)} | " + " | ".join(cells) + " |")
     dims = dimension_scores(results)
     lines += ["", "## Three dimensions (mean primary metric of the dimension's tasks)", "",
               "| dimension | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]

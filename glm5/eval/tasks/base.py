@@ -40,6 +40,15 @@ class Task(ABC):
     def aggregate(self, records: list[dict]) -> dict[str, Metric]:
         """metric name -> (value, standard error or None)."""
 
+    def chance(self, records: list[dict]) -> float | None:
+        """The primary metric of a model that guesses at random, on these records (None: not defined,
+        e.g. perplexity or text overlap)."""
+        return None
+
+    def scored(self, records: list[dict]) -> int:
+        """How many of the records were scored (the report's n)."""
+        return len(records)
+
     def fingerprint(self) -> dict:
         """Options that change records (the base: none)."""
         return {}

@@ -115,5 +115,9 @@ class ChoiceTask(Task):
         return {"acc": mean_stderr([r["acc"] for r in records]),
                 "acc_norm": mean_stderr([r["acc_norm"] for r in records])}
 
+    def chance(self, records: list[dict]) -> float | None:
+        """One over the number of choices, averaged over the documents."""
+        return sum(1 / len(r["lls"]) for r in records) / len(records) if records else None
+
     def fingerprint(self) -> dict:
         return {"num_fewshot": self.num_fewshot, "split": self.split}

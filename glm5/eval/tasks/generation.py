@@ -63,6 +63,9 @@ class ExactTask(Task):
     def aggregate(self, records: list[dict]) -> dict[str, Metric]:
         return {"exact_match": mean_stderr([r["exact_match"] for r in records])}
 
+    def chance(self, records: list[dict]) -> float | None:
+        return 0.0  # free-form answers: a random string is not the exact answer
+
     def fingerprint(self) -> dict:
         p = self.params
         return {"regex": self.regex, "regex_last": self.regex_last, "max_tokens": p.max_tokens, "stop": list(p.stop),

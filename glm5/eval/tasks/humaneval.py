@@ -80,6 +80,13 @@ class HumanEvalTask(Task):
                 out[f"pass@{k}"] = mean_stderr([pass_at_k(r["n"], r["correct"], k) for r in scored])
         return out
 
+    def chance(self, records: list[dict]) -> float | None:
+        return 0.0  # a random program does not pass the unit tests
+
+    def scored(self, records: list[dict]) -> int:
+        """Problems with at least one completion (a --samples file may cover only some of them)."""
+        return sum(1 for r in records if r["n"])
+
     def fingerprint(self) -> dict:
         p = self.params
         return {"samples": str(self.samples) if self.samples else None, "n": p.n, "temperature": p.temperature,
