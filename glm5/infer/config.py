@@ -35,6 +35,7 @@ class EngineConfig:
     # model execution
     quantization: Literal["int8"] | None = None  # weight-only INT8 (experts in groups)
     int8_kernel: Literal["auto", "int8pack", "int_mm", "dequant"] = "auto"  # auto: measured per row count
+    int8_expert_group_size: int | None = None  # routed experts: one scale per group of this many inputs (None: per channel)
     # weight storage order (glm5/infer/layout.py): "transposed" = [in, out] row-major, faster CPU GEMM for
     # decode-sized batches; auto = transposed on CPU, native elsewhere
     weight_layout: Literal["auto", "native", "transposed"] = "auto"
@@ -73,7 +74,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_blocks", "kv_cache_memory", "max_resident_experts", "expert_cache_bytes",
-                     "max_session_len", "max_model_len"):
+                     "max_session_len", "max_model_len", "int8_expert_group_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or unset, got {value}")

@@ -147,7 +147,7 @@ class LLMEngine:
         if c.quantization == "int8":
             from .quant import quantize_model  # noqa: PLC0415
             k = c.int8_kernel
-            quantize_model(model, None if k == "auto" else {"small": k, "large": k})
+            quantize_model(model, None if k == "auto" else {"small": k, "large": k}, c.int8_expert_group_size)
         if c.weight_layout == "transposed" or (c.weight_layout == "auto" and torch.device(c.device).type == "cpu"):
             transpose_weights(model)
         if self.kernels is not None:

@@ -1,7 +1,8 @@
 """INT8 weight-only quantisation, applied at load (`quantization="int8"`), gpt-fast style: replace modules.
 
 W [out, in] -> int8 Wq with one fp32 scale per output channel (absmax / 127), so y = (x @ Wq^T) * scale.
-Routed experts are quantised per expert ([E, out] scales). Kept in full precision, on purpose: the
+Routed experts are quantised per expert ([E, out] scales), or with `int8_expert_group_size = gs` per
+expert, output channel and group of gs input features (`Int8GroupExperts`, [E, in / gs, out] scales). Kept in full precision, on purpose: the
 router and indexer (selection is sensitive to small score changes), `kv_b_proj` (read as a matrix by
 the absorbed attention), norms and embeddings.
 
@@ -112,9 +113,75 @@ class Int8Experts(ExpertLoop):
             self.down_int8[e], self.down_scale[e] = quantize_weight(parts["down"])
 
 
-def quantize_model(model: nn.Module, kernels: dict | None = None) -> nn.Module:
-    """Swap every eligible nn.Linear for Int8Linear and every expert block for Int8Experts, in place;
-    `kernels` ({"small", "large"} -> kernel name) defaults to DEFAULT_KERNELS."""
+def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (int8 [..., G, N, gs], fp32 scale [..., G, N]), G = K / gs: one scale per output
+    channel and group of `group_size` input features, group-major so each group is a contiguous [N, gs]
+    matrix for the int8 kernels."""
+    n, k = w.shape[-2:]
+    if group_size < 1 or k % group_size:
+        raise ValueError(f"int8_expert_group_size={group_size} must divide the experts' input features ({k})")
+    g = w.float().reshape(*w.shape[:-1], k // group_size, group_size).transpose(-3, -2)  # [..., G, N, gs]
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def _dequant_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [G, N, gs] and scale [G, N] -> fp32 [N, G * gs]."""
+    w = q.float() * scale[..., None]  # [G, N, gs]
+    return w.transpose(0, 1).reshape(w.shape[1], -1)
+
+
+class Int8GroupExperts(Int8Experts):
+    """`Int8Experts` with one scale per output channel and group of `group_size` input features (the seed's
+    grouped expert scales; finer than per channel where a few large weights would set a whole row's
+    scale). y = sum over groups of (x_g @ Wq_g^T) * scale_g with the same int8 kernels per group; the native
+    layer kernel reads per-channel experts only, so these run through the model's Python MoE forward."""
+
+    def __init__(self, experts: nn.Module, group_size: int, kernels: dict | None = None):
+        ExpertLoop.__init__(self)
+        self.kernels = dict(kernels or DEFAULT_KERNELS)
+        self.n_experts, self.inter, self.group_size = experts.n_experts, experts.inter, group_size
+        gu, gu_s = quantize_groups(experts.gate_up_proj.data, group_size)  # [E, G, 2I, gs], [E, G, 2I]
+        dn, dn_s = quantize_groups(experts.down_proj.data, group_size)  # [E, G', H, gs], [E, G', H]
+        self.register_buffer("gate_up_int8", gu)
+        self.register_buffer("gate_up_scale", gu_s)
+        self.register_buffer("down_int8", dn)
+        self.register_buffer("down_scale", dn_s)
+
+    def _linear(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        gs = self.group_size
+        y = None
+        for g in range(q.shape[0]):
+            part = int8_linear(x[:, g * gs:(g + 1) * gs].contiguous(), q[g], scale[g], self.kernels)
+            y = part if y is None else y + part
+        return y
+
+    def ffn(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear(xs, self.gate_up_int8[e], self.gate_up_scale[e]).chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, self.down_int8[e], self.down_scale[e])  # [n, H]
+
+    @torch.no_grad()
+    def get_expert(self, e: int) -> dict[str, torch.Tensor]:
+        gate_up = _dequant_groups(self.gate_up_int8[e], self.gate_up_scale[e])  # [2I, H]
+        down = _dequant_groups(self.down_int8[e], self.down_scale[e])  # [H, I]
+        return {"gate": gate_up[: self.inter], "up": gate_up[self.inter:], "down": down}
+
+    @torch.no_grad()
+    def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
+        inter = self.inter
+        for name, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
+            if name in parts:
+                q, s = quantize_groups(parts[name], self.group_size)
+                self.gate_up_int8[e, :, rows], self.gate_up_scale[e, :, rows] = q, s
+        if "down" in parts:
+            self.down_int8[e], self.down_scale[e] = quantize_groups(parts["down"], self.group_size)
+
+
+def quantize_model(model: nn.Module, kernels: dict | None = None, expert_group_size: int | None = None) -> nn.Module:
+    """Swap every eligible nn.Linear for Int8Linear and every expert block for Int8Experts (per output
+    channel) or, with `expert_group_size`, Int8GroupExperts, in place; `kernels` ({"small", "large"} ->
+    kernel name) defaults to DEFAULT_KERNELS."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
@@ -123,7 +190,8 @@ def quantize_model(model: nn.Module, kernels: dict | None = None) -> nn.Module:
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, Int8Linear(child, kernels))
             elif isinstance(child, Experts):
-                setattr(module, child_name, Int8Experts(child, kernels))
+                setattr(module, child_name, Int8Experts(child, kernels) if expert_group_size is None
+                        else Int8GroupExperts(child, expert_group_size, kernels))
     return model
 
 
