@@ -8,7 +8,7 @@ the absorbed attention), norms and embeddings.
 
 Matmul kernels on CPU (bench/engine.py measures them; `select_kernels` re-measures at load):
   * "int8pack": `aten._weight_int8pack_mm` with bf16 activations (fast for decode-sized M);
-  * "int_mm": `torch._int_mm` with dynamic per-row int8 activations (int32 accumulate);
+  * "int_mm": `torch._int_mm` with dynamic per-row int8 activations (int32 accumulate; W8A8, lossier);
   * "dequant": dequantise to fp32 on the fly and use the fp32 GEMM (the accurate reference path).
 `_weight_int8pack_mm` with fp32 activations was measured 50-100x slower and is not offered.
 Dims: M rows, K in features, N out features, E experts.
@@ -27,7 +27,10 @@ from glm5.model.moe import ExpertLoop, Experts
 KERNELS = ("int8pack", "int_mm", "dequant")
 # kernel per row bucket: "small" = M <= SMALL_M (decode), "large" (prefill); measured in docs/bench-engine.md.
 # Each quantised module holds its own choice (quantize_model(kernels=...), e.g. from select_kernels).
-DEFAULT_KERNELS = {"small": "int8pack", "large": "int_mm"}
+# int8pack for both: weight-only. int_mm is ~3.5x faster at 64 rows but quantises the activations too
+# (W8A8): on the converted SmolLM2 it costs +4.2 % perplexity against +0.77 % for int8pack and +0.60 %
+# for dequant (bench/convert_int8.py), so it is offered (`int8_kernel = "int_mm"`), not the default.
+DEFAULT_KERNELS = {"small": "int8pack", "large": "int8pack"}
 SMALL_M = 16
 _SKIP = ("kv_b_proj", "indexer")  # module names kept in full precision (the router is no nn.Linear)
 
