@@ -110,10 +110,13 @@ class Int8Experts(ExpertLoop):
         inter = self.inter
         for name, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
             if name in parts:
-                q, s = quantize_weight(parts[name])
-                self.gate_up_int8[e, rows], self.gate_up_scale[e, rows] = q, s
+                self._store(self.gate_up_int8, self.gate_up_scale, e, rows, parts[name])
         if "down" in parts:
-            self.down_int8[e], self.down_scale[e] = quantize_weight(parts["down"])
+            self._store(self.down_int8, self.down_scale, e, slice(None), parts["down"])
+
+    def _store(self, q_buf: torch.Tensor, s_buf: torch.Tensor, e: int, rows: slice, w: torch.Tensor) -> None:
+        """Quantise w [rows, K] into output rows `rows` of expert e ([E, N, K] int8, [E, N] scales)."""
+        q_buf[e, rows], s_buf[e, rows] = quantize_weight(w)
 
 
 def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,15 +173,9 @@ class Int8GroupExperts(Int8Experts):
         down = _dequant_groups(self.down_int8[e], self.down_scale[e])  # [H, I]
         return {"gate": gate_up[: self.inter], "up": gate_up[self.inter:], "down": down}
 
-    @torch.no_grad()
-    def set_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
-        inter = self.inter
-        for name, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
-            if name in parts:
-                q, s = quantize_groups(parts[name], self.group_size)
-                self.gate_up_int8[e, :, rows], self.gate_up_scale[e, :, rows] = q, s
-        if "down" in parts:
-            self.down_int8[e], self.down_scale[e] = quantize_groups(parts["down"], self.group_size)
+    def _store(self, q_buf: torch.Tensor, s_buf: torch.Tensor, e: int, rows: slice, w: torch.Tensor) -> None:
+        """Grouped buffers are [E, G, N, gs] / [E, G, N]: output rows are dim 2 / 2."""
+        q_buf[e, :, rows], s_buf[e, :, rows] = quantize_groups(w, self.group_size)
 
 
 def quantize_model(model: nn.Module, kernels: dict | None = None, expert_group_size: int | None = None) -> nn.Module:
