@@ -47,7 +47,7 @@ def build_report() -> dict:
 
 
 def embedded_model(log=print, mtp_minutes: float = MTP_MINUTES) -> Path:
-    """The embedded model's directory, built first if needed (about 5 minutes on 2 cores)."""
+    """The embedded model's directory, built first if needed (about 6 minutes on 2 idle cores)."""
     if is_built():
         return embedded_dir()
     from glm5.convert.bundled import smollm2_gguf
