@@ -121,7 +121,7 @@ def _embedded(max_tokens: int, threads: int) -> int:
     st = spec["stats"]
     print(f"MTP acceptance (1 draft token per step, corrected by prompt lookup of up to "
           f"{SPECULATIVE['prompt_lookup_max']} tokens): {rate:.2f} ({st.get('spec_num_accepted_tokens', 0)}/"
-          f"{st.get('spec_num_draft_tokens', 0)} drafts, {st.get('spec_num_lookup_draft_tokens', 0)} from the lookup)")
+          f"{st.get('spec_num_draft_tokens', 0)} drafts, {st.get('spec_num_lookup_draft_tokens', 0)} changed by the lookup)")
     print(f"batch-1 decode: {tps_spec:.1f} tok/s with MTP speculation, {tps_base:.1f} tok/s without "
           f"({tps_spec / tps_base:.2f}x); greedy answers identical {same}/{len(CHAT_PROMPTS)}")
     print(f"\nquickstart finished in {time.time() - t0:.0f}s: the model is {EMBEDDED} ({path}); "

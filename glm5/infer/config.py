@@ -34,7 +34,7 @@ class EngineConfig:
 
     # model execution
     quantization: Literal["int8"] | None = None  # weight-only INT8 (experts in groups)
-    int8_kernel: Literal["auto", "int8pack", "int_mm", "dequant"] = "auto"  # auto: measured per row count
+    int8_kernel: Literal["auto", "int8pack", "int_mm", "dequant"] = "auto"  # auto: quant.DEFAULT_KERNELS (weight-only)
     int8_expert_group_size: int | None = None  # routed experts: one scale per group of this many inputs (None: per channel)
     # weight storage order (glm5/infer/layout.py): "transposed" = [in, out] row-major, faster CPU GEMM for
     # decode-sized batches; auto = transposed on CPU, native elsewhere
