@@ -13,7 +13,8 @@ from glm5.eval.tasks import TaskConfig, build_task, bundled_path
 from glm5.eval.tasks.humaneval import program
 from glm5.eval.sandbox import Limits, run_program
 
-SIZES = {"mmlu": 97, "ceval": 100, "humaneval": 164, "exact": 102, "queries": 60, "ppl": 431}
+SIZES = {"mmlu": 97, "ceval": 100, "ceval_continuation": 100, "continuation": 136, "lambada": 161, "humaneval": 164,
+         "exact": 102, "queries": 60, "ppl": 431}
 
 
 def test_bundled_sets_load_from_the_package():
@@ -29,7 +30,7 @@ def test_sets_rebuild_identically(tmp_path, monkeypatch):
     monkeypatch.setattr(build_sets, "OUT", tmp_path)
     build_sets.main()
     built = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert len(built) == 6
+    assert len(built) == 8
     for rel in built:
         assert (tmp_path / rel).read_bytes() == (committed / rel).read_bytes(), rel
 

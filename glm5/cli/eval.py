@@ -25,7 +25,8 @@ def parse(argv):
     ap.add_argument("--config", help="TOML with [[models]] and [[tasks]] (see configs/eval/)")
     ap.add_argument("--model", help="checkpoint directory, preset, or http(s):// server URL (default: the "
                     "embedded model bundled:smollm2-glm5)")
-    ap.add_argument("--task", choices=["ppl", "mmlu", "mmlu_continuation", "ceval", "humaneval", "exact", "queries"])
+    ap.add_argument("--task", choices=["ppl", "mmlu", "mmlu_continuation", "ceval", "ceval_continuation",
+                                       "continuation", "lambada", "humaneval", "exact", "queries"])
     ap.add_argument("--data", help="task file or directory (default: the bundled set)")
     ap.add_argument("--output", help="OUT.json (default: runs/eval/TASK.json)")
     ap.add_argument("--num-fewshot", type=int, default=0)

@@ -2,7 +2,8 @@
 radar of the three dimensions of docs/SEEDS.md E1: knowledge, skills, real queries).
 
 A dimension's score is the mean of its tasks' primary metrics (acc, pass@1, exact_match, overlap), all in
-[0, 1]; perplexity-type tasks ("language") are reported in the table only (lower is better).
+[0, 1]; "language" tasks (perplexity, lower is better, and the held-out continuation/lambada sets) are
+reported in the table only.
 """
 
 from __future__ import annotations

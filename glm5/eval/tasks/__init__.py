@@ -15,15 +15,20 @@ from ..sandbox import Limits
 from .base import Doc, Task
 from .choice import ChoiceTask
 from .generation import ExactTask, QueriesTask
+from .heldout import ContinuationTask, LambadaTask
 from .humaneval import STOP, HumanEvalTask
 from .ppl import PerplexityTask
 
-TaskName = Literal["ppl", "mmlu", "mmlu_continuation", "ceval", "humaneval", "exact", "queries"]
+TaskName = Literal["ppl", "mmlu", "mmlu_continuation", "ceval", "ceval_continuation", "continuation", "lambada",
+                   "humaneval", "exact", "queries"]
 BUNDLED = {  # task -> file or directory under glm5/eval/data, or a bundled asset
     "ppl": "bundled:corpus/validation.jsonl.gz",
     "mmlu": "mmlu_corpus",
     "mmlu_continuation": "mmlu_corpus",
     "ceval": "ceval_corpus",
+    "ceval_continuation": "ceval_corpus",
+    "continuation": "continuation_heldout.jsonl",  # held-out text (the corpus's validation split)
+    "lambada": "lambada_heldout.jsonl",
     "humaneval": "HumanEval.jsonl.gz",
     "exact": "exact_corpus.jsonl",
     "queries": "queries_corpus.jsonl",
@@ -36,7 +41,7 @@ class TaskConfig:
     data: str | None = None  # file or directory; None = the bundled set
     label: str | None = None  # name in results and reports (default: the task)
     split: str | None = None  # mmlu/ceval: eval split (default test / val)
-    num_fewshot: int = 0  # mmlu/ceval: solved examples from the dev split
+    num_fewshot: int = 0  # mmlu/ceval (and their _continuation): solved examples from the dev split
     limit: int | None = None  # evaluate only the first N documents
     samples: str | None = None  # humaneval: JSONL of {task_id, completion} to score instead of generating
     n: int = 1  # humaneval: samples per problem
@@ -87,8 +92,12 @@ def build_task(cfg: TaskConfig) -> Task:
     data = Path(cfg.data) if cfg.data else bundled_path(cfg.task)
     if cfg.task == "ppl":
         return PerplexityTask(data, cfg.text_key)
-    if cfg.task in ("mmlu", "mmlu_continuation", "ceval"):
+    if cfg.task in ("mmlu", "mmlu_continuation", "ceval", "ceval_continuation"):
         return ChoiceTask(cfg.task, data, cfg.num_fewshot, cfg.split)
+    if cfg.task in ("continuation", "lambada"):
+        if cfg.num_fewshot:
+            raise ValueError(f"{cfg.task} is 0-shot (no dev split), got num_fewshot={cfg.num_fewshot}")
+        return ContinuationTask(data) if cfg.task == "continuation" else LambadaTask(data)
     if cfg.task == "humaneval":
         limits = Limits(cpu_s=max(1, int(cfg.timeout_s + 0.999)), wall_s=cfg.timeout_s + 5)
         return HumanEvalTask(data, samples=cfg.samples, n=cfg.n, k=tuple(cfg.k), params=_params(cfg, 384, STOP, cfg.n),

@@ -18,6 +18,15 @@ where letters are still noise:
     The following are questions (with answers) about {subject}.\n\n
     Question: {question}\nAnswer: {answer text}\n\n                                   <- each example
     Question: {question}\nAnswer:
+
+`ceval_continuation` is the same cloze form for C-Eval (lm-eval has no C-Eval cloze task; the wording
+follows its C-Eval prompt and the answer text follows 答案： after the same " " delimiter as the letters):
+
+    以下是关于{科目}的问题（附答案）。\n\n
+    问题：{question}\n答案： {answer text}\n\n                                          <- each example
+    问题：{question}\n答案：
+
+`MultipleChoice` is the scoring shared with the held-out sentence endings (glm5/eval/tasks/heldout.py).
 """
 
 from __future__ import annotations
@@ -49,9 +58,14 @@ def mmlu_cloze_question(doc: ChoiceDoc) -> str:
     return f"Question: {doc.question.strip()}\nAnswer:"
 
 
-def ceval_description(subject: str) -> str:
+def ceval_subject(subject: str) -> str:
+    """The Chinese name of a C-Eval subject (lm-eval's descriptions), else the subject with spaces."""
     names = json.loads(resources.files("glm5.eval").joinpath("data/ceval_subjects.json").read_text("utf-8"))
-    return f"以下是中国关于{names.get(subject, subject.replace('_', ' '))}的单项选择题，请选出其中的正确答案。\n\n"
+    return names.get(subject, subject.replace("_", " "))
+
+
+def ceval_description(subject: str) -> str:
+    return f"以下是中国关于{ceval_subject(subject)}的单项选择题，请选出其中的正确答案。\n\n"
 
 
 def ceval_question(doc: ChoiceDoc) -> str:
@@ -59,14 +73,48 @@ def ceval_question(doc: ChoiceDoc) -> str:
     return f"{doc.question.strip()}\nA. {a}\nB. {b}\nC. {c}\nD. {d}\n答案："
 
 
+def ceval_cloze_description(subject: str) -> str:
+    return f"以下是关于{ceval_subject(subject)}的问题（附答案）。\n\n"
+
+
+def ceval_cloze_question(doc: ChoiceDoc) -> str:
+    return f"问题：{doc.question.strip()}\n答案："
+
+
 STYLES = {  # name -> (reader, description, question, default split)
     "mmlu": (read_mmlu_csv, mmlu_description, mmlu_question, "test"),
     "ceval": (read_ceval_csv, ceval_description, ceval_question, "val"),
     "mmlu_continuation": (read_mmlu_csv, mmlu_cloze_description, mmlu_cloze_question, "test"),
+    "ceval_continuation": (read_ceval_csv, ceval_cloze_description, ceval_cloze_question, "val"),
 }
+CLOZE = ("mmlu_continuation", "ceval_continuation")  # the answer texts are scored, not the letters
 
 
-class ChoiceTask(Task):
+class MultipleChoice(Task):
+    """Each choice scored as the continuation " {choice}" of its context: `acc` takes the most likely,
+    `acc_norm` divides the log-likelihood by the choice's length in characters (lm-eval's definition)."""
+
+    def score_choices(self, model: EvalModel, items: list[tuple[str, list[str], int]]) -> list[dict]:
+        """One record per (context, choices, gold index): log-likelihoods, gold, acc, acc_norm."""
+        scores = iter(model.loglikelihood([(ctx, f" {c}") for ctx, choices, _ in items for c in choices]))
+        records = []
+        for _, choices, gold in items:
+            lls = [next(scores)[0] for _ in choices]
+            norm = [lp / len(c) for lp, c in zip(lls, choices)]  # lm-eval: characters, no delimiter
+            records.append({"lls": lls, "gold": gold, "acc": float(lls.index(max(lls)) == gold),
+                            "acc_norm": float(norm.index(max(norm)) == gold)})
+        return records
+
+    def aggregate(self, records: list[dict]) -> dict[str, Metric]:
+        return {"acc": mean_stderr([r["acc"] for r in records]),
+                "acc_norm": mean_stderr([r["acc_norm"] for r in records])}
+
+    def chance(self, records: list[dict]) -> float | None:
+        """One over the number of choices, averaged over the documents."""
+        return sum(1 / len(r["lls"]) for r in records) / len(records) if records else None
+
+
+class ChoiceTask(MultipleChoice):
     dimension, primary = "knowledge", "acc"
 
     def __init__(self, name: str, data: str | Path, num_fewshot: int = 0, split: str | None = None):
@@ -92,32 +140,18 @@ class ChoiceTask(Task):
 
     def choices(self, doc: ChoiceDoc) -> list[str]:
         """What is scored after the prompt (and a space): the letters, or the answer texts (cloze)."""
-        return list(doc.choices) if self.name == "mmlu_continuation" else list(LETTERS)
+        return list(doc.choices) if self.name in CLOZE else list(LETTERS)
 
     def context(self, path: str, doc: ChoiceDoc) -> str:
         shots = "".join(f"{self.question(s)} {self.choices(s)[s.answer]}\n\n" for s in self._shots.get(path, []))
         return self.describe(doc.subject) + shots + self.question(doc)
 
     def evaluate(self, model: EvalModel, docs: list[Doc]) -> list[dict]:
-        requests = [(self.context(path, d), f" {c}") for path, d in (x.data for x in docs) for c in self.choices(d)]
-        scores = model.loglikelihood(requests)
-        records = []
-        for i, doc in enumerate(docs):
-            d: ChoiceDoc = doc.data[1]
-            lls = [lp for lp, _ in scores[4 * i:4 * i + 4]]
-            norm = [lp / len(c) for lp, c in zip(lls, self.choices(d))]  # lm-eval: characters, no delimiter
-            records.append({"lls": lls, "gold": d.answer, "subject": d.subject,
-                            "acc": float(lls.index(max(lls)) == d.answer),
-                            "acc_norm": float(norm.index(max(norm)) == d.answer)})
+        items = [(self.context(path, d), self.choices(d), d.answer) for path, d in (x.data for x in docs)]
+        records = self.score_choices(model, items)
+        for doc, r in zip(docs, records):
+            r["subject"] = doc.data[1].subject
         return records
-
-    def aggregate(self, records: list[dict]) -> dict[str, Metric]:
-        return {"acc": mean_stderr([r["acc"] for r in records]),
-                "acc_norm": mean_stderr([r["acc_norm"] for r in records])}
-
-    def chance(self, records: list[dict]) -> float | None:
-        """One over the number of choices, averaged over the documents."""
-        return sum(1 / len(r["lls"]) for r in records) / len(records) if records else None
 
     def fingerprint(self) -> dict:
         return {"num_fewshot": self.num_fewshot, "split": self.split}
