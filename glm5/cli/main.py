@@ -23,6 +23,7 @@ COMMANDS = {
     "merge": ("merge", "fold a LoRA adapter into its base: `glm5 merge BASE ADAPTER OUT`"),
     "eval": ("eval", "evaluate: `glm5 eval --model PATH_OR_URL --task mmlu --data DIR --output OUT.json`"),
     "distill": ("distill", "knowledge distillation into a small student: `glm5 distill --config ...`"),
+    "prune": ("prune", "importance-guided depth/width/expert pruning of a checkpoint (Minitron): `glm5 prune CKPT OUT`"),
     "lm-eval": ("lm_eval_cli", "lm-evaluation-harness with `--model glm5` registered: `glm5 lm-eval run ...`"),
     "quickstart": ("quickstart", "the main job: data pipeline -> train tiny -> generate"),
     "ocr": ("ocr", "OCR agent: `glm5 ocr IMAGE... [--format json|md|txt] [--rounds N] [--model CKPT]`"),

