@@ -108,7 +108,8 @@ def _check(src_model, src_dir, out, generate: bool = False) -> None:
         contiguous = src_model(input_ids=ids[1:]).logits[0]
     assert (contiguous - ref[1]).abs().max() > 1e-2  # the strided positions matter
     _assert_same_logits(ref, got)
-    assert (hf_logits - got).abs().max().item() <= 1e-5
+    # the same architecture in two implementations: fp32 round-off only (summation order differs by CPU)
+    assert (hf_logits - got).abs().max().item() <= 4e-6 * got.abs().max().item()
     if generate:  # greedy decoding through glm5's engine (paged latent cache) = the source's generate()
         prompt = ids[0, :12]
         want = src_model.generate(prompt[None], attention_mask=torch.ones(1, 12, dtype=torch.long),

@@ -113,3 +113,19 @@ def test_tokenizer_mismatch_fails_before_compute(setup, monkeypatch, tmp_path):
         build(cfg)
     same = AutoTokenizer.from_pretrained(TOKENIZER)
     check_tokenizers(same, AutoTokenizer.from_pretrained(TOKENIZER), 8192, 8192)  # identical: accepted
+
+
+def test_bundled_teacher_names_resolve_through_package_data(tmp_path, monkeypatch):
+    """`bundled:smollm2-glm5` is the embedded model's cached build (the library never builds it; the CLI
+    does, before the run); other bundled names are the package's assets."""
+    from glm5.distill.teacher import resolve_teacher
+    monkeypatch.setenv("GLM5_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="glm5 quickstart"):
+        resolve_teacher("bundled:smollm2-glm5")
+    from glm5.core import resources
+    built = resources.built_model_dir("smollm2-glm5")
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    assert resolve_teacher("bundled:smollm2-glm5") == (str(built), None)
+    directory, gguf = resolve_teacher("bundled:tokenizer-8k")
+    assert gguf is None and directory == str(resources.bundled("tokenizer-8k"))

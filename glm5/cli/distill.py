@@ -10,12 +10,17 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from glm5.cli.models import is_embedded, resolve_model
     from glm5.core.config import load_cli_config
     from glm5.distill.run import DistillConfig, distill
 
     cfg = load_cli_config(DistillConfig, argv, "glm5 distill", __doc__.split("\n\n")[0],
                           "configs/distill/smollm2-tiny.toml")
     try:
+        if is_embedded(cfg.distill.teacher):  # the embedded teacher is built on first use
+            cfg = replace(cfg, distill=replace(cfg.distill, teacher=resolve_model(cfg.distill.teacher)))
         summary = distill(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"glm5 distill: {e}", file=sys.stderr)

