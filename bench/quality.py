@@ -140,6 +140,7 @@ def section_distill(out: Path, teacher: Path, progress: bool) -> dict:
     results = run_config(cfg, progress=progress)
     scores = {(r["model"], r["task"]): r for r in results}
     params = {role: count_parameters(ModelConfig.from_pretrained(dirs[role])) for role in ROLES}
+    params["teacher_compact"] = compact_teacher_parameters(teacher, student)
     table = {}
     for task in TASKS:
         t = scores[("teacher", task)]
@@ -161,11 +162,29 @@ def section_distill(out: Path, teacher: Path, progress: bool) -> dict:
     return result
 
 
+def compact_teacher_parameters(teacher: Path, student: Path) -> int:
+    """The teacher cut on the student's exact axes only (its upcycled routed copies merged into the
+    student's expert count, the student's indexer heads and non-rotary dims), every neuron kept: the
+    teacher's own function at its compact size, against which the lossy part of the cut is measured."""
+    from dataclasses import replace
+
+    from glm5.distill.prune import count_parameters
+    from glm5.model.config import ModelConfig
+    t, s = ModelConfig.from_pretrained(teacher), ModelConfig.from_pretrained(student)
+    per_expert = t.moe_intermediate_size // s.n_routed_experts  # one copy's neurons split across the experts
+    return count_parameters(replace(
+        t, n_routed_experts=s.n_routed_experts, num_experts_per_tok=s.n_routed_experts,
+        moe_intermediate_size=per_expert, n_shared_experts=t.n_shared_experts * t.moe_intermediate_size // per_expert,
+        index_n_heads=s.index_n_heads, qk_nope_head_dim=s.qk_nope_head_dim))
+
+
 def distill_markdown(d: dict) -> str:
     p = d["parameters"]
     lines = ["## Distillation (seed M7): a pruned student healed by `glm5 distill`", "",
              f"Teacher {p['teacher']:,} parameters; student {p['pruned']:,} "
-             f"(**{p['teacher'] / p['pruned']:.2f}x fewer**). Healing: {d['runs']['distilled']['steps']} steps, "
+             f"(**{p['teacher'] / p['pruned']:.2f}x fewer**); the teacher at its exact compact size (routed copies "
+             f"merged, the student's indexer heads and non-rotary dims, every neuron kept) has "
+             f"{p['teacher_compact']:,}: the lossy cut is **{p['teacher_compact'] / p['pruned']:.2f}x**. Healing: {d['runs']['distilled']['steps']} steps, "
              f"{d['runs']['distilled']['tokens']:,} tokens; distilled run {d['runs']['distilled']['wall_s'] / 60:.1f} "
              f"min (teacher cache included), no-teacher run {d['runs']['no_teacher']['wall_s'] / 60:.1f} min.", "",
              "| | " + " | ".join(LABELS[r] for r in ROLES) + " |", "|---|" + "---|" * len(ROLES),
