@@ -1,9 +1,16 @@
-"""Fine-tuning benchmarks (issue 9), on the trained quickstart model (`glm5 quickstart` -> runs/tiny/final).
+"""Fine-tuning benchmarks (issue 9): on the trained quickstart model (runs/tiny/final) or the embedded one.
 
   python bench/finetune.py sft   --base runs/tiny/final [--steps 60 --minutes 1.5]
       SFT on the bundled chat set: held-out assistant-token loss of the base, LoRA, prefix tuning and full
       fine-tuning (8-bit AdamW, and fp32 AdamW as the optimizer peer), with trainable parameters,
       optimizer-state bytes, peak RSS and training tokens/s; each method in its own process.
+  python bench/finetune.py sft   --base EMBEDDED_DIR --methods base lora full_8bit --exact
+      The same on a real model, plus an instruction-following check with exact answers: for each held-out
+      "Explain what this Python function does" conversation, the model is asked (zero-shot, greedy) to
+      list the function's parameters and nothing else; the answer must equal the parameter list the
+      bundled set records for it (its reasoning line: "`f` takes `a`, `b` and calls ..."). The SFT data
+      does not contain these questions, so the check measures whether fine-tuning keeps (or costs) the
+      base's instruction following, next to the held-out loss it gains.
   python bench/finetune.py serve --base runs/tiny/final [--adapter runs/finetune-lora/final]
       Multi-LoRA serving: the same requests (greedy, fixed length) spread over 4 adapters in one batch vs
       all on the base model; output tokens/s, alternated rounds, median.
@@ -20,6 +27,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +40,53 @@ METHODS = {  # name -> config overrides
     "full_8bit": ["--method=full", "--optim.name=adamw8bit", "--precision.activation_checkpointing=true"],
     "full_fp32adamw": ["--method=full", "--optim.name=adamw", "--precision.activation_checkpointing=true"],
 }
+
+
+ARGS_QUESTION = ("Which parameters does this Python function take? Reply with their names only, separated by "
+                 "commas, or with the word none if it takes no parameters.\n\n```python\n{code}\n```")
+TAKES = re.compile(r"^`[^`]+` takes (?P<args>no arguments|.+?) and calls ")
+
+
+def exact_cases(path: str = "sft/heldout.jsonl.gz") -> list[dict]:
+    """(question, parameter names) for every held-out function-explanation conversation."""
+    from glm5.core.resources import bundled
+    from glm5.data.sft import read_chat_jsonl
+    cases = []
+    for ex in read_chat_jsonl(bundled(path)):
+        user, answer = ex.messages[0]["content"], ex.messages[-1]
+        m = TAKES.match(answer.get("reasoning_content") or "")
+        code = re.search(r"```python\n(.*)```", user, re.S)
+        if m and code and user.startswith("Explain what this Python function does"):
+            names = [] if m["args"] == "no arguments" else re.findall(r"`([^`]+)`", m["args"])
+            cases.append({"question": ARGS_QUESTION.format(code=code[1].rstrip("\n")), "names": names})
+    return cases
+
+
+def parse_names(text: str) -> list[str]:
+    text = text.strip().splitlines()[0].strip().rstrip(".") if text.strip() else ""
+    if text.lower().strip("`* ") == "none":
+        return []
+    return [t.strip().strip("`*'\" ") for t in text.split(",") if t.strip()]
+
+
+def exact_check(base: str, adapter: str | None = None, full: str | None = None) -> dict:
+    """Greedy answers of the base, base + LoRA adapter, or a fully fine-tuned model to the questions about
+    the held-out functions and, separately, about the training set's functions (SFT saw their code and
+    explanations, never this question)."""
+    from glm5 import LLM, SamplingParams
+    held, seen = exact_cases(), exact_cases("sft/train.jsonl.gz")
+    cases = held + seen
+    llm = LLM(full or base, device="cpu", max_model_len=1024, max_num_seqs=32,
+              lora={"sft": adapter} if adapter else None)
+    tok = llm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c["question"]}], add_generation_prompt=True)
+               for c in cases]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), lora="sft" if adapter else None)
+    answers = [o.outputs[0].text for o in outs]
+    right = [parse_names(a) == c["names"] for a, c in zip(answers, cases)]
+    return {"heldout_exact": sum(right[:len(held)]) / len(held), "heldout_n": len(held),
+            "seen_code_exact": sum(right[len(held):]) / len(seen), "seen_code_n": len(seen),
+            "examples": [{"want": c["names"], "got": a[:80]} for c, a in list(zip(cases, answers))[:3]]}
 
 
 def _state_bytes(opt) -> int:
@@ -59,16 +114,20 @@ def child_sft(a) -> dict:
     if a.method == "base":
         val = trainer.evaluate()
         return {"method": a.method, "heldout_loss": val["val_loss"], "heldout_tokens": val["val_tokens"],
-                "peak_rss_mb": _peak_rss_mb()}
+                "peak_rss_mb": _peak_rss_mb(), **({"exact": exact_check(a.base)} if a.exact else {})}
     t0 = time.perf_counter()
     summary = trainer.fit()
     wall = time.perf_counter() - t0
+    exact = {}
+    if a.exact and a.method in ("lora", "full_8bit", "full_fp32adamw"):
+        final = str(trainer.save_final())
+        exact = {"exact": exact_check(a.base, adapter=final) if a.method == "lora" else exact_check(a.base, full=final)}
     tps = [h["tokens_per_s"] for h in trainer.history[1:]]
     return {"method": a.method, "heldout_loss": summary["val_loss"], "steps": trainer.step, "train_s": round(wall, 1),
             "tokens_per_s": round(statistics.median(tps), 1) if tps else None,
             "final_train_loss": trainer.history[-1]["loss"], **report,
             "optimizer_state_bytes": _state_bytes(trainer.optimizer), "lr": cfg.resolved_lr() if cfg.optim.lr == 0
-            else cfg.optim.lr, "peak_rss_mb": _peak_rss_mb()}
+            else cfg.optim.lr, "peak_rss_mb": _peak_rss_mb(), **exact}
 
 
 def _peak_rss_mb() -> float:
@@ -76,7 +135,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_sft(a) -> None:
-    for method in METHODS:
+    for method in a.methods:
         cmd = [sys.executable, __file__, "child-sft", "--method", method, *_pass(a)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
@@ -85,7 +144,8 @@ def run_sft(a) -> None:
 
 def _pass(a) -> list[str]:
     return ["--base", a.base, "--steps", str(a.steps), "--minutes", str(a.minutes), "--batch", str(a.batch),
-            "--seq", str(a.seq), "--eval-batches", str(a.eval_batches), "--threads", str(a.threads)]
+            "--seq", str(a.seq), "--eval-batches", str(a.eval_batches), "--threads", str(a.threads),
+            *(["--exact"] if a.exact else [])]
 
 
 # ---- multi-LoRA serving --------------------------------------------------------------------------------
@@ -148,6 +208,8 @@ def main() -> None:
     ap.add_argument("--base", default="runs/tiny/final")
     ap.add_argument("--adapter", default=None, help="a trained LoRA adapter to serve among the 4")
     ap.add_argument("--method", default="lora")
+    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="sft: which to run")
+    ap.add_argument("--exact", action="store_true", help="sft: the held-out exact-answer instruction check")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--minutes", type=float, default=1.5, help="time limit per method (LR annealed by time)")
     ap.add_argument("--batch", type=int, default=8)

@@ -38,6 +38,9 @@ def parse(argv):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--beam-width", type=int, default=1, help="generation tasks: beam search of this width")
+    ap.add_argument("--temperature-schedule", type=float, nargs=2, metavar=("START", "END"),
+                    help="generation tasks: temperature decayed linearly from START to END (the seeds' 0.8 0.2)")
     ap.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program")
     ap.add_argument("--regex", help="exact: answer extraction pattern (first group)")
     ap.add_argument("--chat", action="store_true", help="exact/queries: prompts through the chat template")
@@ -70,7 +73,7 @@ def config_from_flags(args):
                       samples=args.samples, n=args.n, k=[int(k) for k in args.k.split(",")],
                       temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, regex=args.regex,
                       judge_url=args.judge_url, judge_model=args.judge_model, timeout_s=args.timeout,
-                      chat=args.chat)
+                      chat=args.chat, beam_width=args.beam_width, temperature_schedule=args.temperature_schedule)
     spec = ModelSpec(model=args.model or "samples", backend=args.backend, gguf_file=args.gguf_file,
                      tokenizer=args.tokenizer, api_model=args.api_model,
                      max_length=args.max_length, batch_size=args.batch_size, device=args.device,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from glm5.infer.llm import LLM
 from glm5.infer.sampling import SamplingParams
 
-from .lm import EvalModel, GenerationParams, Score, TokenPair
+from .lm import EvalModel, GenerationParams, Score, TokenPair, cut_at_stop
 
 
 class EngineModel(EvalModel):
@@ -87,8 +87,14 @@ class EngineModel(EvalModel):
             raise ValueError(f"max_tokens={params.max_tokens} leaves no room for a prompt in "
                              f"max_length={self.max_length}")
         ids = [self.prompt_ids(p, params.chat)[-room:] for p in prompts]
+        if params.beam_width > 1:  # the engine's beam search (LLM.beam_search); stop strings cut afterwards
+            sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, use_beam_search=True,
+                                beam_width=params.beam_width)
+            return [[cut_at_stop(c.text, params.stop) for c in o.outputs[:params.n]]
+                    for o in self.llm.beam_search(ids, sp)]
         sp = SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                            max_tokens=params.max_tokens, stop=list(params.stop), seed=params.seed)
+                            max_tokens=params.max_tokens, stop=list(params.stop), seed=params.seed,
+                            temperature_schedule=params.temperature_schedule)
         texts = []
         for start in range(0, len(ids), self.batch_size):
             outs = self.llm.generate(ids[start:start + self.batch_size], sp)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .lm import EvalModel, GenerationParams, Score, TokenPair
+from .lm import EvalModel, GenerationParams, Score, TokenPair, cut_at_stop
 
 
 class HFTokenizer:
@@ -77,6 +77,9 @@ class HFModel(EvalModel):
 
     @torch.no_grad()
     def generate(self, prompts: list[str], params: GenerationParams) -> list[list[str]]:
+        if params.temperature_schedule is not None:
+            raise ValueError("temperature_schedule is a glm5 engine option: transformers' generate has none "
+                             "(use the glm5 backend or a glm5 server)")
         texts = []
         for p in prompts:  # one prompt at a time: no padding semantics to get wrong, fine for small models
             ids = torch.tensor([self.prompt_ids(p, params.chat)[-(self.max_length - params.max_tokens):]],
@@ -85,12 +88,9 @@ class HFModel(EvalModel):
                   "max_new_tokens": params.max_tokens, "pad_token_id": self.pad_id}
             if params.temperature > 0:
                 kw.update(temperature=params.temperature, top_p=params.top_p)
+            if params.beam_width > 1:
+                kw.update(num_beams=params.beam_width, early_stopping=True)
             gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
             outs = [self.hf_tokenizer.decode(g[ids.shape[1]:], skip_special_tokens=True) for g in gen]
-            texts.append([_cut(o, params.stop) for o in outs])
+            texts.append([cut_at_stop(o, params.stop) for o in outs])
         return texts
-
-
-def _cut(text: str, stop: tuple[str, ...]) -> str:
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
-    return text[:cut]

@@ -35,6 +35,21 @@ class GenerationParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the text)
     seed: int | None = None  # sampling seed (per prompt), for reproducible samples
     chat: bool = False  # send each prompt as one user turn through the model's chat template
+    beam_width: int = 1  # > 1: beam search (HF semantics; temperature 0), the n best beams returned
+    temperature_schedule: tuple[float, float] | None = None  # linear (start, end) temperature over max_tokens
+
+
+def decoding_fingerprint(p: GenerationParams) -> dict:
+    """Every generation option that changes the text (the tasks' resume fingerprints include it)."""
+    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "n": p.n,
+            "stop": list(p.stop), "seed": p.seed, "chat": p.chat, "beam_width": p.beam_width,
+            "temperature_schedule": list(p.temperature_schedule) if p.temperature_schedule else None}
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text up to the first stop string (backends that do not stop on strings themselves)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
 
 
 class EvalModel(ABC):

@@ -113,6 +113,7 @@ class OpenAIModel(EvalModel):
                 payload["stop"] = list(params.stop)
             if params.seed is not None:
                 payload["seed"] = params.seed
+            payload.update(_decoding(params))
             choices = self.client.request("/completions", payload)["choices"]
             texts = [[""] * params.n for _ in batch]
             for c in choices:  # OpenAI: choice index = prompt index * n + sample index
@@ -129,5 +130,17 @@ class OpenAIModel(EvalModel):
             payload["stop"] = list(params.stop)
         if params.seed is not None:
             payload["seed"] = params.seed
+        payload.update(_decoding(params))
         choices = sorted(self.client.request("/chat/completions", payload)["choices"], key=lambda c: c["index"])
         return [c["message"]["content"] or "" for c in choices]
+
+
+def _decoding(params: GenerationParams) -> dict:
+    """Beam search and the temperature schedule as the request fields glm5's server (and, for beam search,
+    vLLM's) reads; nothing for plain sampling, so other OpenAI-compatible servers see a standard request."""
+    out: dict = {}
+    if params.beam_width > 1:
+        out.update(use_beam_search=True, beam_width=params.beam_width)
+    if params.temperature_schedule is not None:
+        out["temperature_schedule"] = list(params.temperature_schedule)
+    return out

@@ -51,6 +51,8 @@ class TaskConfig:
     max_tokens: int | None = None  # generated tokens (default: humaneval 384, exact 64, queries 128)
     stop: list[str] | None = None  # stop strings (default: humaneval Codex stops, exact newline)
     seed: int | None = 0  # sampling seed
+    beam_width: int = 1  # generation tasks: > 1 = beam search of this width (temperature must be 0)
+    temperature_schedule: list[float] | None = None  # generation tasks: [start, end], linear over max_tokens
     regex: str | None = None  # exact: extract the answer with this pattern (first group)
     regex_last: bool = False  # exact: use the last match instead of the first
     text_key: str = "text"  # ppl: JSONL field with the text
@@ -66,6 +68,13 @@ class TaskConfig:
             raise ValueError(f"pass@{max(self.k)} needs n >= {max(self.k)} samples per problem, got n={self.n}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.beam_width < 1 or (self.beam_width > 1 and (self.temperature != 0 or self.n > self.beam_width
+                                                            or self.temperature_schedule is not None)):
+            raise ValueError(f"beam_width={self.beam_width}: must be >= 1; beam search needs temperature 0, no "
+                             f"temperature_schedule and n <= beam_width (got temperature {self.temperature}, n {self.n})")
+        sched = self.temperature_schedule
+        if sched is not None and (len(sched) != 2 or any(not 0 <= t <= 2 for t in sched)):
+            raise ValueError(f"temperature_schedule must be [start, end] with 0 <= each <= 2, got {sched}")
 
     @property
     def name(self) -> str:
@@ -85,7 +94,8 @@ def bundled_path(task: str) -> Path:
 def _params(cfg: TaskConfig, max_tokens: int, stop: tuple[str, ...], n: int = 1) -> GenerationParams:
     return GenerationParams(max_tokens=cfg.max_tokens or max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             n=n, stop=tuple(cfg.stop) if cfg.stop is not None else stop, seed=cfg.seed,
-                            chat=cfg.chat)
+                            chat=cfg.chat, beam_width=cfg.beam_width,
+                            temperature_schedule=tuple(cfg.temperature_schedule) if cfg.temperature_schedule else None)
 
 
 def build_task(cfg: TaskConfig) -> Task:

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 from ..judge import Judge
-from ..lm import EvalModel, GenerationParams
+from ..lm import EvalModel, GenerationParams, decoding_fingerprint
 from ..loaders import DataError, read_jsonl
 from ..metrics import Metric, keyword_recall, mean_stderr, normalize_answer, token_f1
 from .base import Doc, Task
@@ -68,8 +68,7 @@ class ExactTask(Task):
 
     def fingerprint(self) -> dict:
         p = self.params
-        return {"regex": self.regex, "regex_last": self.regex_last, "max_tokens": p.max_tokens, "stop": list(p.stop),
-                "chat": p.chat}
+        return {"regex": self.regex, "regex_last": self.regex_last, **decoding_fingerprint(p)}
 
 
 class QueriesTask(Task):
@@ -111,5 +110,4 @@ class QueriesTask(Task):
         return out
 
     def fingerprint(self) -> dict:
-        return {"max_tokens": self.params.max_tokens, "chat": self.params.chat,
-                "judge": self.judge.name if self.judge else None}
+        return {**decoding_fingerprint(self.params), "judge": self.judge.name if self.judge else None}

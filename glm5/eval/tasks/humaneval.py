@@ -12,7 +12,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..lm import EvalModel, GenerationParams
+from ..lm import EvalModel, GenerationParams, decoding_fingerprint
 from ..loaders import DataError, read_humaneval, read_jsonl
 from ..metrics import Metric, mean_stderr, pass_at_k
 from ..sandbox import Limits, run_program
@@ -89,5 +89,4 @@ class HumanEvalTask(Task):
 
     def fingerprint(self) -> dict:
         p = self.params
-        return {"samples": str(self.samples) if self.samples else None, "n": p.n, "temperature": p.temperature,
-                "top_p": p.top_p, "max_tokens": p.max_tokens, "seed": p.seed}
+        return {"samples": str(self.samples) if self.samples else None, **decoding_fingerprint(p)}
