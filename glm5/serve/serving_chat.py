@@ -18,6 +18,7 @@ import jinja2
 from fastapi.responses import StreamingResponse
 
 from glm5.data.tokenizer import MissingSpecialTokens
+from glm5.infer.outputs import RequestOutput
 from glm5.infer.sampling import SamplingParams
 from glm5.infer.structured import StructuredOutputs, glm_tool_call_tag
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, check_grammar, logprob_of, max_tokens_for,
@@ -211,7 +212,10 @@ async def read_images(state: ServerState, req: ChatCompletionRequest) -> ChatCom
     return req
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
+async def start_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> ChatJob:
+    """Validate, render, encode and admit `req`; -> the running job (its first engine output already in,
+    so admission errors surface before any byte is sent). The Messages and Responses routes convert
+    their requests into a `ChatCompletionRequest` and run through here too."""
     lora = state.check_model(req.model)
     req = await read_images(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -230,17 +234,22 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stream = state.async_engine.generate(request_id, prompt_ids, params, lora=lora)
     choices = [_Choice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
     try:
-        first = await stream.__anext__()  # admission errors surface before any byte is sent
+        first = await stream.__anext__()
     except StopAsyncIteration:  # pragma: no cover
         raise APIError(500, "engine returned no output", "internal_server_error")
     version = first.model_version if first.model_version is not None else state.async_engine.model_version
-    job = _ChatJob(state, req, request_id, choices, len(prompt_ids), top_k, version)
+    job = ChatJob(state, req, request_id, choices, len(prompt_ids), top_k, version, first, stream)
     if new_messages is not None:
         job.on_done = lambda reply: state.sessions.record(req.session_id, new_messages, reply)
+    return job
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
+    job = await start_chat(state, req, request_id)
     if req.stream:
-        return StreamingResponse(job.stream(first, stream), media_type="text/event-stream",
-                                 headers={"X-Model-Version": str(version)})
-    return await job.collect(first, stream)
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
+                                 headers={"X-Model-Version": str(job.version)})
+    return await job.collect()
 
 
 async def _with_session(state: ServerState, req: ChatCompletionRequest, requested: int | None,
@@ -274,10 +283,17 @@ async def _summary(state: ServerState, cut: list[dict], request_id: str, max_tok
     return final.outputs[0].text if final is not None else ""
 
 
-class _ChatJob:
-    def __init__(self, state, req, request_id, choices, num_prompt_tokens, top_k, version):
+class ChatJob:
+    """One admitted chat request: its choices' parser pipelines over the engine's output stream.
+    `collect()` / `stream()` answer in the chat-completions shape; `deltas()` gives other API shapes
+    the same per-choice OpenAI deltas to convert."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, choices: list[_Choice],
+                 num_prompt_tokens: int, top_k: int | None, version: int, first: RequestOutput,
+                 rest: AsyncIterator[RequestOutput]):
         self.state, self.req, self.id, self.choices = state, req, request_id, choices
         self.num_prompt_tokens, self.top_k, self.version = num_prompt_tokens, top_k, version
+        self.first, self.rest = first, rest
         self.created = now()
         self.num_generated = 0
         self.on_done = None  # called with the first choice's reply message once the response is complete
@@ -299,8 +315,16 @@ class _ChatJob:
         self.num_generated = sum(len(c.token_ids) for c in out.outputs)
         return [(self.choices[c.index], self.choices[c.index].feed(c, self.top_k)) for c in out.outputs]
 
-    async def collect(self, first, rest) -> dict:
-        async for out in chain(first, rest):
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, dict]]:
+        """(choice, its `_Choice.feed` result) for every engine output, in order; the reply is recorded
+        (sessions) once the stream is through."""
+        async for out in chain(self.first, self.rest):
+            for item in self._feed(out):
+                yield item
+        self._done()
+
+    async def collect(self) -> dict:
+        async for out in chain(self.first, self.rest):
             self._feed(out)
         choices = [{"index": ch.index, "message": ch.message(),
                     "logprobs": {"content": ch.logprobs} if self.top_k is not None else None,
@@ -311,11 +335,11 @@ class _ChatJob:
             body["session"] = self.state.sessions.info(self.req.session_id)
         return {**body, "_model_version": self.version}
 
-    async def stream(self, first, rest) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str]:
         yield sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None} for ch in self.choices]))
         try:
-            async for out in chain(first, rest):
+            async for out in chain(self.first, self.rest):
                 chunk = []
                 for ch, d in self._feed(out):
                     if d["delta"] or d["finished"] or d["logprobs"]:
