@@ -37,6 +37,21 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """The same error in Anthropic's shape (the Messages API routes): its type follows the status."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        """The error object of the API that `path` belongs to."""
+        return self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                         529: "overloaded_error"}
+
 
 def as_api_error(e: BaseException) -> APIError:
     """The client-visible form of an exception from a handler or the engine (also for SSE error chunks)."""

@@ -24,6 +24,7 @@ from glm5.infer.structured import StructuredOutputs, glm_tool_call_tag
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, check_grammar, logprob_of, max_tokens_for,
                                sampling_params, sse, structured_spec, token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
+from glm5.serve.parsers.reasoning_glm import THINK_CLOSE
 from glm5.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Usage, now
 from glm5.serve.sessions import SUMMARY_REQUEST
 from glm5.serve.validation import check_tools
@@ -230,6 +231,8 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, request_id:
     extra = {"skip_special_tokens": False, "structured_outputs": spec}  # <think>/<tool_call> reach the parsers
     if top_k is not None:
         extra["logprobs"] = top_k
+    if req.thinking_budget is not None and prompt_opens_reasoning(text):
+        extra.update(thinking_budget=req.thinking_budget, thinking_end_token_id=_think_end_id(state))
     params = sampling_params(req, max_tokens, state, **extra)
     stream = state.async_engine.generate(request_id, prompt_ids, params, lora=lora)
     choices = [_Choice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
@@ -242,6 +245,15 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, request_id:
     if new_messages is not None:
         job.on_done = lambda reply: state.sessions.record(req.session_id, new_messages, reply)
     return job
+
+
+def _think_end_id(state: ServerState) -> int:
+    """The `</think>` token a thinking budget forces; 400 if the tokenizer has no single token for it."""
+    ids = state.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    if len(ids) != 1:
+        raise APIError(400, f"thinking_budget: the tokenizer has no single {THINK_CLOSE} token",
+                       param="thinking_budget", code="unsupported_by_tokenizer")
+    return ids[0]
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
