@@ -97,7 +97,7 @@ def render_and_encode(state: ServerState, req: ChatCompletionRequest):
     return text, spec, tools, state.tokenizer.encode(text)
 
 
-class _Choice:
+class ChatChoice:
     """Per-choice parser pipeline and accumulated message."""
 
     def __init__(self, state: ServerState, index: int, reasoning_open: bool, tools):
@@ -235,7 +235,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, request_id:
         extra.update(thinking_budget=req.thinking_budget, thinking_end_token_id=_think_end_id(state))
     params = sampling_params(req, max_tokens, state, **extra)
     stream = state.async_engine.generate(request_id, prompt_ids, params, lora=lora)
-    choices = [_Choice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
+    choices = [ChatChoice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
     try:
         first = await stream.__anext__()
     except StopAsyncIteration:  # pragma: no cover
@@ -300,7 +300,7 @@ class ChatJob:
     `collect()` / `stream()` answer in the chat-completions shape; `deltas()` gives other API shapes
     the same per-choice OpenAI deltas to convert."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, choices: list[_Choice],
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, choices: list[ChatChoice],
                  num_prompt_tokens: int, top_k: int | None, version: int, first: RequestOutput,
                  rest: AsyncIterator[RequestOutput]):
         self.state, self.req, self.id, self.choices = state, req, request_id, choices
@@ -323,12 +323,12 @@ class ChatJob:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
                      total_tokens=self.num_prompt_tokens + self.num_generated).model_dump()
 
-    def _feed(self, out) -> list[tuple[_Choice, dict]]:
+    def _feed(self, out) -> list[tuple[ChatChoice, dict]]:
         self.num_generated = sum(len(c.token_ids) for c in out.outputs)
         return [(self.choices[c.index], self.choices[c.index].feed(c, self.top_k)) for c in out.outputs]
 
-    async def deltas(self) -> AsyncIterator[tuple[_Choice, dict]]:
-        """(choice, its `_Choice.feed` result) for every engine output, in order; the reply is recorded
+    async def deltas(self) -> AsyncIterator[tuple[ChatChoice, dict]]:
+        """(choice, its `ChatChoice.feed` result) for every engine output, in order; the reply is recorded
         (sessions) once the stream is through."""
         async for out in chain(self.first, self.rest):
             for item in self._feed(out):

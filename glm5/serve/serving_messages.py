@@ -2,9 +2,9 @@
 
 A Messages request is converted into the internal `ChatCompletionRequest` (`to_chat_request`) and runs
 through `serving_chat.start_chat`: the same chat template, validation, sampler, tool-call grammar and
-GLM reasoning / tool parsers. `BlockStream` turns the chat pipeline's per-token OpenAI deltas into
-Anthropic content blocks and stream events; a non-streaming answer is the same events accumulated, so
-streaming and non-streaming agree by construction. `stop_reason` is `tool_use` only when a tool_use
+GLM reasoning / tool parsers. `blocks.BlockStream` regroups the chat pipeline's per-token deltas into
+blocks, rendered here as Anthropic content blocks and stream events; a non-streaming answer is the
+same blocks, so streaming and non-streaming agree by construction. `stop_reason` is `tool_use` only when a tool_use
 block was emitted. Errors keep Anthropic's shape (`{"type": "error", "error": {...}}`, built in app.py).
 """
 
@@ -17,12 +17,13 @@ from typing import Any, AsyncIterator
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from glm5.serve.blocks import Block, BlockEvent, BlockStream
 from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.protocol import ChatCompletionRequest
 from glm5.serve.protocol_anthropic import (AnthropicMessage, CountTokensRequest, ImageBlock, MessagesRequest,
                                            RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock,
                                            ToolUseBlock)
-from glm5.serve.serving_chat import ChatJob, _Choice, render_and_encode, start_chat
+from glm5.serve.serving_chat import ChatChoice, ChatJob, render_and_encode, start_chat
 
 TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}  # "tool" names one: a NamedToolChoice
 
@@ -147,70 +148,30 @@ def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
     return {"input_tokens": len(render_and_encode(state, to_chat_request(state, req))[3])}
 
 
-def _start_block(kind: str, call: dict | None) -> dict:
-    if kind == "thinking":
-        return {"type": "thinking", "thinking": "", "signature": ""}
-    if kind == "text":
-        return {"type": "text", "text": ""}
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
+def _block(b: Block, final: bool) -> dict:
+    """A block as Anthropic's content block: empty when it starts streaming, whole when `final`."""
+    if b.kind == "reasoning":
+        return {"type": "thinking", "thinking": b.text if final else "", "signature": ""}
+    if b.kind == "text":
+        return {"type": "text", "text": b.text if final else ""}
+    return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": json.loads(b.text) if final else {}}
 
 
-class BlockStream:
-    """OpenAI chat deltas -> Anthropic content-block events, keeping the blocks for a non-streamed answer.
-    A block closes when output of another kind (or another tool call) starts."""
-
-    def __init__(self):
-        self.blocks: list[dict] = []  # Anthropic blocks; a tool_use block keeps its arguments text (partial_json)
-        self.open: tuple[str, int | None] | None = None  # (kind, tool call index) of the open block
-
-    def feed(self, delta: dict) -> list[dict]:
-        events = []
-        if delta.get("reasoning_content"):
-            events += self._put(("thinking", None), None, "thinking_delta", "thinking", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._put(("text", None), None, "text_delta", "text", delta["content"])
-        for call in delta.get("tool_calls", []):
-            events += self._put(("tool_use", call["index"]), call, "input_json_delta", "partial_json",
-                                call["function"]["arguments"])
-        return events
-
-    def close(self) -> list[dict]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
-
-    def _put(self, key: tuple[str, int | None], call: dict | None, delta_type: str, field: str,
-             text: str) -> list[dict]:
-        """Open block `key` unless it is the open one, then append `text` to it (as a `delta_type`)."""
-        events = []
-        if self.open != key:
-            events += self.close()
-            self.open = key
-            block = _start_block(key[0], call)
-            self.blocks.append({**block, "partial_json": ""} if key[0] == "tool_use" else dict(block))
-            events.append({"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block})
-        if text:
-            self.blocks[-1][field] += text
-            events.append({"type": "content_block_delta", "index": len(self.blocks) - 1,
-                           "delta": {"type": delta_type, field: text}})
-        return events
-
-    def content(self, choice: _Choice) -> list[dict]:
-        """The accumulated blocks; tool inputs from the parser's final calls (a call cut by max_tokens is
-        not a call)."""
-        calls = {c.id: c for c in (choice.tools.tool_calls if choice.tools is not None else [])}
-        out = []
-        for b in self.blocks:
-            if b["type"] != "tool_use":
-                out.append(b)
-            elif b["id"] in calls:
-                out.append({"type": "tool_use", "id": b["id"], "name": b["name"],
-                            "input": json.loads(calls[b["id"]].arguments)})
-        return out
+DELTA = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
+         "tool_call": ("input_json_delta", "partial_json")}
 
 
-def stop_reason(choice: _Choice, stops: list[str]) -> tuple[str, str | None]:
+def _render(e: BlockEvent) -> dict:
+    """A block event as Anthropic's stream event."""
+    if e.type == "start":
+        return {"type": "content_block_start", "index": e.index, "content_block": _block(e.block, final=False)}
+    if e.type == "stop":
+        return {"type": "content_block_stop", "index": e.index}
+    kind, field = DELTA[e.block.kind]
+    return {"type": "content_block_delta", "index": e.index, "delta": {"type": kind, field: e.delta}}
+
+
+def stop_reason(choice: ChatChoice, stops: list[str]) -> tuple[str, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a finished choice."""
     if choice.finish_reason == "tool_calls":  # set only when the parser produced a call
         return "tool_use", None
@@ -238,9 +199,9 @@ async def _stream(job: ChatJob, msg_id: str, stops: list[str]) -> AsyncIterator[
     try:
         async for _, d in job.deltas():
             for e in blocks.feed(d["delta"]):
-                yield _event(e)
+                yield _event(_render(e))
         for e in blocks.close():
-            yield _event(e)
+            yield _event(_render(e))
         reason, seq = stop_reason(job.choices[0], stops)
         yield _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                       "usage": {"output_tokens": job.num_generated}})
@@ -261,5 +222,6 @@ async def create_message(state: ServerState, req: MessagesRequest) -> dict | Str
     async for _, d in job.deltas():
         blocks.feed(d["delta"])
     choice = job.choices[0]
-    return {**_message(job, msg_id, blocks.content(choice), *stop_reason(choice, stops)),
+    content = [_block(b, final=True) for b in blocks.final(choice)]
+    return {**_message(job, msg_id, content, *stop_reason(choice, stops)),
             "_model_version": job.version}
