@@ -3,7 +3,8 @@
 `create_app(engine, tokenizer, config)` wraps a synchronous `LLMEngine` (driven by `AsyncEngine` in one
 background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/infill` (llama.cpp's code
 completion), `/v1/models` (the base model and its loaded LoRA adapters: a request's `model` may name one),
-`/v1/messages` and `/v1/messages/count_tokens` (Anthropic's Messages API: its error shape, `x-api-key`),
+`/v1/responses` (OpenAI's Responses API), `/v1/messages` and `/v1/messages/count_tokens` (Anthropic's
+Messages API: its error shape, `x-api-key`),
 `/health`, `/metrics`, `/tokenize`, `/detokenize`, the expert hot-swap admin routes and vLLM's
 `/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500
 means a server bug.
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
-from glm5.serve.sessions import SessionStore
+from glm5.serve.sessions import ResponseStore, SessionStore
 from glm5.serve import admin
 from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, RequestFailed
 from glm5.serve.common import APIError, ServerState, as_api_error
@@ -39,7 +40,9 @@ from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, Detok
 from glm5.serve.serving_chat import create_chat_completion, render_and_encode
 from glm5.serve.protocol_anthropic import CountTokensRequest, MessagesRequest
 from glm5.serve.serving_completion import create_completion
+from glm5.serve.protocol_responses import ResponsesRequest
 from glm5.serve.serving_messages import count_tokens, create_message
+from glm5.serve.serving_responses import create_response
 from glm5.serve.serving_infill import create_infill
 from glm5.serve.validation import check_body_text
 
@@ -186,6 +189,7 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
     state = ServerState(engine, aengine, tokenizer, config, name,
                         SessionStore(engine.config.max_session_len, engine.config.session_policy),
                         image_reader=image_reader,
+                        responses=ResponseStore(config.max_stored_responses),
                         pool=ThreadPoolExecutor(config.tokenizer_workers, "glm5-tokenize"))
 
     @asynccontextmanager
@@ -258,6 +262,10 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(request, body, create_chat_completion(state, body, f"chatcmpl-{uuid.uuid4().hex}"))
+
+    @app.post("/v1/responses")  # OpenAI's Responses API
+    async def responses(body: ResponsesRequest, request: Request):
+        return await respond(request, body, create_response(state, body))
 
     @app.post("/v1/messages")  # Anthropic's Messages API
     async def messages(body: MessagesRequest, request: Request):

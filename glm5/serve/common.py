@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import SamplingParams, check_token_ids
-from glm5.serve.sessions import SessionStore
+from glm5.serve.sessions import ResponseStore, SessionStore
 from glm5.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
 from glm5.infer.structured import StructuredOutputs
 from glm5.serve.config import ServerConfig
@@ -78,6 +78,7 @@ class ServerState:
     # raises ValueError for an unreadable image. None: image parts are refused with a 400.
     image_reader: Callable[[str], str] | None = None
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "glm5-tokenize"))
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))  # `previous_response_id`
 
     async def prepare(self, fn, *args, **kwargs):
         """Run `fn(*args, **kwargs)` in the tokenizer pool: work that grows with the prompt (chat template,
