@@ -22,12 +22,14 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from serve import Server  # noqa: E402  (bench/serve.py)
+from serve_hardening import tiny_checkpoint  # noqa: E402
 
 ROUTES = ("chat", "messages", "responses")
 
@@ -110,20 +112,6 @@ async def level(url: str, texts: list[str], concurrency: int, max_tokens: int) -
     return out
 
 
-def tiny_checkpoint(path: str) -> str:
-    import torch
-
-    from glm5.data.tokenizer import load_tokenizer
-    from glm5.model.config import ModelConfig
-    from glm5.model.hf_adapter import save_pretrained
-    from glm5.model.model import GLM5ForCausalLM
-    cfg = ModelConfig.from_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    save_pretrained(GLM5ForCausalLM(cfg).init_weights(0).eval(), path)
-    load_tokenizer("bundled:tokenizer-8k").save(path)
-    return path
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint to serve (default: a tiny random one)")
@@ -134,7 +122,7 @@ def main() -> int:
     p.add_argument("--out", default="bench_serve_apis.json")
     args, engine_opts = p.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or tiny_checkpoint(os.path.join(tmp, "tiny"))
+        model = args.model or str(tiny_checkpoint(Path(tmp) / "tiny"))
         server = Server(model, engine_opts, args.out + ".server.log")
         try:
             server.wait(args.startup_timeout_s)
