@@ -10,11 +10,11 @@ import json
 import anthropic
 import httpx
 import pytest
-import torch
 
 from glm5.serve.app import create_app
 from glm5.serve.config import ServerConfig
 from glm5.serve.testing import serve_in_thread
+from tests._live import live_server
 from tests._tiny import tiny_config
 from tests.test_serve_app import SCRIPT, TOK, TOOLS, FakeEngine
 
@@ -204,9 +204,6 @@ def test_unauthenticated_error_is_anthropic_shaped(serve):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
-engine_mod = pytest.importorskip("glm5.infer.engine")
-
-
 def _greedy_tokens(url: str, **extra) -> list[str]:
     r = httpx.post(url + "/v1/chat/completions", json={
         "model": "tiny", "messages": ASK, "max_tokens": 8, "temperature": 0, "logprobs": True,
@@ -218,17 +215,8 @@ def _greedy_tokens(url: str, **extra) -> list[str]:
 def test_thinking_budget_forces_the_end_of_thinking(tmp_path):
     """Real engine, greedy: with budget_tokens=b the output's token b is `</think>` (unbudgeted, the
     random model does not close its thinking that early), and /v1/messages generates the same."""
-    from glm5.infer.config import EngineConfig
-    from glm5.model.config import ModelConfig
-    from glm5.model.hf_adapter import save_pretrained
-    from glm5.model.model import GLM5ForCausalLM
-    cfg = ModelConfig.from_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
-    torch.manual_seed(0)
-    save_pretrained(GLM5ForCausalLM(cfg).init_weights(0).eval(), tmp_path)
-    TOK.save(tmp_path)
-    engine = engine_mod.LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
-                                               max_model_len=256, num_blocks=64, block_size=16))
-    with serve_in_thread(create_app(engine, config=ServerConfig(), model_name="tiny")) as url:
+    with live_server(tmp_path) as live:
+        url = live["url"]
         c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
         free = _greedy_tokens(url)
         assert "</think>" not in free[:4]
