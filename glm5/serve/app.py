@@ -6,8 +6,9 @@ completion), `/v1/models` (the base model and its loaded LoRA adapters: a reques
 `/v1/responses` (OpenAI's Responses API), `/v1/messages` and `/v1/messages/count_tokens` (Anthropic's
 Messages API: its error shape, `x-api-key`),
 `/health`, `/metrics`, `/tokenize`, `/detokenize`, the expert hot-swap admin routes and vLLM's
-`/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500
-means a server bug.
+`/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with
+`{"error": {"message", "type", "param", "code"}}` (Anthropic's `{"type": "error", "error": {"type",
+"message"}}` under `/v1/messages`); a 500 means a server bug.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def _tool_message(state: ServerState, block: ToolResultBlock, where: str) -> dic
     else:
         parts = [_image_part(state, p, f"{where}.content[{k}]") if isinstance(p, ImageBlock) else
                  {"type": "text", "text": p.text} for k, p in enumerate(block.content)]
-        content = parts if any(p["type"] == "image_url" for p in parts) else "".join(p["text"] for p in parts)
+        content = parts if any(p["type"] == "image_url" for p in parts) else "\n".join(p["text"] for p in parts)
     if block.is_error:
         content = f"Error: {content}" if isinstance(content, str) else [{"type": "text", "text": "Error:"}, *content]
     return {"role": "tool", "tool_call_id": block.tool_use_id, "content": content}
