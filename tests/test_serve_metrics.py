@@ -2,10 +2,13 @@
 (tiny model with one MTP layer drafting 2 tokens): vLLM's spec-decode counter families with their
 `_total` samples and a `position` label, values equal to the proposer's own counts and consistent with
 each other (a position is accepted only after every earlier one), and the prefix-cache hit rate after
-a repeated prompt. Per-adapter request counts are checked in test_serve_lora.py.
+a repeated prompt; and the Grafana dashboard in docs/ queries only series `/metrics` writes. Per-adapter
+request counts are checked in test_serve_lora.py.
 """
 
+import json
 import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,6 +18,7 @@ from glm5.data.tokenizer import load_tokenizer
 from glm5.infer.config import EngineConfig
 from glm5.serve.app import create_app
 from glm5.serve.config import ServerConfig
+from glm5.serve.metrics import ServerMetrics
 from glm5.serve.testing import serve_in_thread
 from tests._tiny import tiny_model
 
@@ -70,3 +74,30 @@ def test_no_spec_decode_series_without_drafting():
     with serve_in_thread(app) as url:
         text = httpx.get(url + "/metrics").text
     assert "vllm:spec_decode" not in text and 'vllm:gpu_prefix_cache_hit_rate{model_name="tiny"} 0.0' in text
+
+
+def test_grafana_dashboard_reads_only_exposed_series():
+    """docs/grafana-glm5-serve.json: every series a panel queries, and every label it groups by, is one
+    `/metrics` writes (rendered with every optional family present: MTP, expert load, an adapter)."""
+    metrics = ServerMetrics("tiny")
+    metrics.count_lora_request("sql")
+    metrics.inc("vllm:request_success_total", 1.0, "stop")
+    stats = {"num_running": 1, "prefix_cache_queries": 8, "prefix_cache_hits": 4, "spec_num_drafts": 3,
+             "spec_num_draft_tokens": 6, "spec_num_accepted_tokens": 4, "spec_num_accepted_tokens_per_pos": [3, 1],
+             "expert_load": {1: {"tokens_per_expert": [2, 0], "imbalance": 2.0}}}
+    labels_of: dict[str, set[str]] = {}
+    for line in metrics.render(stats).splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels_of.setdefault(name, set()).update(re.findall(r'(\w+)="', rest))
+    dash = json.loads((Path(__file__).parent.parent / "docs" / "grafana-glm5-serve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 14
+    for expr in exprs:
+        names = re.findall(r"\b((?:vllm|glm5):\w+)", expr)
+        assert names, expr
+        for name in names:
+            assert name in labels_of, f"{name} is not exposed"
+        for grouped in re.findall(r"by \(([\w, ]+)\)", expr):
+            for label in (g.strip() for g in grouped.split(",")):
+                assert label == "le" or any(label in labels_of[n] for n in names), f"{label} in {expr}"
