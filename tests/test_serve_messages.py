@@ -212,18 +212,38 @@ def _greedy_tokens(url: str, **extra) -> list[str]:
     return [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]]
 
 
-def test_thinking_budget_forces_the_end_of_thinking(tmp_path):
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with live_server(tmp_path_factory.mktemp("tiny-messages")) as server:
+        yield server
+
+
+def test_thinking_budget_forces_the_end_of_thinking(live):
     """Real engine, greedy: with budget_tokens=b the output's token b is `</think>` (unbudgeted, the
     random model does not close its thinking that early), and /v1/messages generates the same."""
-    with live_server(tmp_path) as live:
-        url = live["url"]
-        c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
-        free = _greedy_tokens(url)
-        assert "</think>" not in free[:4]
-        for budget in (1, 3):
-            tokens = _greedy_tokens(url, thinking_budget=budget)
-            assert tokens[:budget] == free[:budget] and tokens[budget] == "</think>"
-            m = c.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body={"temperature": 0},
-                                  thinking={"type": "enabled", "budget_tokens": budget})
-            assert m.usage.output_tokens == len(tokens)
-            assert [b.type for b in m.content][:1] == ["thinking"]
+    url = live["url"]
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    free = _greedy_tokens(url)
+    assert "</think>" not in free[:4]
+    for budget in (1, 3):
+        tokens = _greedy_tokens(url, thinking_budget=budget)
+        assert tokens[:budget] == free[:budget] and tokens[budget] == "</think>"
+        m = c.messages.create(model="tiny", max_tokens=8, messages=ASK, extra_body={"temperature": 0},
+                              thinking={"type": "enabled", "budget_tokens": budget})
+        assert m.usage.output_tokens == len(tokens)
+        assert [b.type for b in m.content][:1] == ["thinking"]
+
+
+def test_stop_sequence_on_the_real_engine(live):
+    """The engine's stop-string match becomes stop_reason stop_sequence, streamed and not."""
+    c = anthropic.Anthropic(base_url=live["url"], api_key="none", max_retries=0)
+    ask = dict(model="tiny", max_tokens=12, messages=ASK, extra_body={"temperature": 0})
+    free = c.messages.create(**ask).content[0].text
+    assert len(free) > 8
+    stop = free[4:7]
+    m = c.messages.create(**ask, stop_sequences=[stop])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert free.startswith(m.content[0].text) and stop not in m.content[0].text
+    with c.messages.stream(**ask, stop_sequences=[stop]) as s:
+        streamed = s.get_final_message()
+    assert (streamed.stop_reason, streamed.content[0].text) == ("stop_sequence", m.content[0].text)
