@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from glm5.data.tokenizer import MissingSpecialTokens
 from glm5.infer.outputs import RequestOutput
@@ -39,6 +40,17 @@ def _thinking(kwargs: dict) -> bool:
     if flag is None and alias is not None:
         flag = alias.get("type") != "disabled" if isinstance(alias, dict) else bool(alias)
     return True if flag is None else bool(flag)
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built by another API's route (Messages, Responses) from its own request; a field
+    the chat schema rejects is a 400 naming it."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"{where or 'body'}: {err.get('msg')}", param=where or None) from e
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list | None]:

@@ -15,7 +15,6 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from glm5.serve.blocks import Block, BlockEvent, BlockStream
 from glm5.serve.common import APIError, ServerState, as_api_error
@@ -23,7 +22,7 @@ from glm5.serve.protocol import ChatCompletionRequest
 from glm5.serve.protocol_anthropic import (AnthropicMessage, CountTokensRequest, ImageBlock, MessagesRequest,
                                            RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock,
                                            ToolUseBlock)
-from glm5.serve.serving_chat import ChatChoice, ChatJob, render_and_encode, start_chat
+from glm5.serve.serving_chat import ChatChoice, ChatJob, chat_request, render_and_encode, start_chat
 
 TOOL_CHOICE = {"auto": "auto", "any": "required", "none": "none"}  # "tool" names one: a NamedToolChoice
 
@@ -110,8 +109,8 @@ def _chat_messages(state: ServerState, req: CountTokensRequest) -> list[dict]:
     return messages
 
 
-def to_chat_request(state: ServerState, req: CountTokensRequest) -> ChatCompletionRequest:
-    """The internal chat request for a Messages (or count_tokens) request; 400 for what Anthropic rejects."""
+def _prompt_fields(state: ServerState, req: CountTokensRequest) -> dict[str, Any]:
+    """The chat-request fields that make the prompt: messages, tools, tool_choice, thinking."""
     body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(state, req)}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -127,25 +126,24 @@ def to_chat_request(state: ServerState, req: CountTokensRequest) -> ChatCompleti
         body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     thinking = req.thinking is not None and req.thinking.type == "enabled"
     body["chat_template_kwargs"] = {"enable_thinking": thinking}  # Anthropic's default: no thinking
-    if isinstance(req, MessagesRequest):
-        budget = req.thinking.budget_tokens if thinking else None
-        if budget is not None and budget >= req.max_tokens:
-            raise APIError(400, f"thinking.budget_tokens: must be less than max_tokens ({req.max_tokens}), "
-                                f"got {budget}", param="thinking.budget_tokens")
-        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences or None, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k, thinking_budget=budget,
-                    user=(req.metadata or {}).get("user_id"))
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ()))
-        raise APIError(400, f"{where or 'body'}: {err.get('msg')}", param=where or None) from e
+    return body
+
+
+def to_chat_request(state: ServerState, req: MessagesRequest) -> ChatCompletionRequest:
+    """The internal chat request for a Messages request; 400 for what Anthropic rejects."""
+    budget = req.thinking.budget_tokens if req.thinking is not None and req.thinking.type == "enabled" else None
+    if budget is not None and budget >= req.max_tokens:
+        raise APIError(400, f"thinking.budget_tokens: must be less than max_tokens ({req.max_tokens}), "
+                            f"got {budget}", param="thinking.budget_tokens")
+    return chat_request({**_prompt_fields(state, req), "max_tokens": req.max_tokens,
+                         "stop": req.stop_sequences or None, "temperature": req.temperature, "top_p": req.top_p,
+                         "top_k": req.top_k, "thinking_budget": budget,
+                         "user": (req.metadata or {}).get("user_id")})
 
 
 def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
     """The prompt's length in tokens, exactly as `/v1/messages` would give it to the engine."""
-    return {"input_tokens": len(render_and_encode(state, to_chat_request(state, req))[3])}
+    return {"input_tokens": len(render_and_encode(state, chat_request(_prompt_fields(state, req)))[3])}
 
 
 def _block(b: Block, final: bool) -> dict:

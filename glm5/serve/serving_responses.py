@@ -17,14 +17,13 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from glm5.serve.blocks import Block, BlockEvent, BlockStream
 from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.protocol import ChatCompletionRequest, now
 from glm5.serve.protocol_responses import (FunctionCallItem, FunctionCallOutputItem, InputContent, InputImage,
                                            MessageItem, NamedFunction, ReasoningItem, Refusal, ResponsesRequest)
-from glm5.serve.serving_chat import ChatJob, start_chat
+from glm5.serve.serving_chat import ChatJob, chat_request, start_chat
 
 THINKING_OFF = ("none", "minimal")  # reasoning efforts that turn GLM's thinking off
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}  # output item ids, as OpenAI's look
@@ -117,12 +116,7 @@ def to_chat_request(state: ServerState, req: ResponsesRequest, history: list[dic
         body["tool_choice"] = req.tool_choice
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.reasoning.effort not in THINKING_OFF}
-    try:
-        return ChatCompletionRequest.model_validate(body), conversation
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ()))
-        raise APIError(400, f"{where or 'body'}: {err.get('msg')}", param=where or None) from e
+    return chat_request(body), conversation
 
 
 def _item(b: Block, item_id: str, done: bool) -> dict:
