@@ -14,7 +14,7 @@ from typing import Literal
 class ServerConfig:
     host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
     port: int = 8000  # TCP port
-    api_key: str | None = None  # Bearer key required on /v1/*, /tokenize, /detokenize (/health, /metrics stay open)
+    api_key: str | None = None  # Bearer (x-api-key too) key on /v1/*, /tokenize, /detokenize; /health, /metrics open
     admin_key: str | None = None  # Bearer key required on /admin/*; admin routes are off without it
     served_model_name: str | None = None  # model id clients must send; default: the model path's name
     max_waiting_requests: int = 256  # past this many queued requests answer 503 + Retry-After
