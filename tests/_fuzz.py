@@ -23,15 +23,20 @@ import httpx
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from glm5.serve import protocol
+from glm5.serve import protocol, protocol_anthropic, protocol_responses
 
 ROUTES = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest,
           "/tokenize": protocol.TokenizeRequest, "/detokenize": protocol.DetokenizeRequest}
+# Anthropic's Messages and OpenAI's Responses routes (their own test, so the counts above stay comparable)
+API_ROUTES = {"/v1/messages": protocol_anthropic.MessagesRequest,
+              "/v1/messages/count_tokens": protocol_anthropic.CountTokensRequest,
+              "/v1/responses": protocol_responses.ResponsesRequest}
 SURROGATES = ["\ud800", "a\udfffb", "\udbff\ud800", "x" * 3 + "\udc00"]
 HUGE = [2**63, -(2**63) - 1, 10**30, -(10**30), 1e308, -1e308, float("nan"), float("inf"), float("-inf")]
 # Fields whose valid values cost engine time: keep the valid ones small (hostile ones stay hostile).
 CHEAP = {"n": [1, 1, 2], "max_tokens": [None, 1, 2, 4], "max_completion_tokens": [None, 1, 3],
-         "min_tokens": [0, 1, 2], "logprobs": None, "top_logprobs": [0, 1, 5]}
+         "min_tokens": [0, 1, 2], "logprobs": None, "top_logprobs": [0, 1, 5], "max_output_tokens": [None, 1, 3],
+         "budget_tokens": [None, 1, 2]}
 
 
 def nested(depth: int) -> Any:
@@ -90,6 +95,8 @@ def for_annotation(ann: Any, metadata=(), name: str = "", valid: bool = True) ->
         return st.sampled_from(CHEAP[name]) if valid else st.one_of(st.sampled_from(CHEAP[name]),
                                                                     _number(int, metadata, valid))
     origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Annotated:  # a discriminated union of content blocks / input items
+        return for_annotation(args[0], metadata, name, valid)
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*[for_annotation(a, metadata, name, valid) for a in args])
     if origin is typing.Literal:
@@ -156,13 +163,13 @@ _install_overrides()
 
 
 @st.composite
-def requests(draw) -> tuple[str, Any]:
+def requests(draw, routes: dict[str, type[BaseModel]] = ROUTES) -> tuple[str, Any]:
     """(route, JSON body): a body from the route's model, half of them with every value in its declared
     bounds, the other half also at and past them; one in four gets a hostile value in one field."""
-    path = draw(st.sampled_from(sorted(ROUTES)))
-    body = draw(model_bodies(ROUTES[path], valid=draw(st.sampled_from([True, False]))))
+    path = draw(st.sampled_from(sorted(routes)))
+    body = draw(model_bodies(routes[path], valid=draw(st.sampled_from([True, False]))))
     if draw(st.sampled_from([False, False, False, True])):  # (st.integers would favour 0: not one in four)
-        key = draw(st.sampled_from(sorted(ROUTES[path].model_fields)))
+        key = draw(st.sampled_from(sorted(routes[path].model_fields)))
         body[key] = draw(HOSTILE)
     return path, body
 
@@ -387,13 +394,16 @@ def _dechunk(data: bytes) -> bytes:
     return out
 
 
-def check_response(r: httpx.Response, what: str) -> None:
-    """The property: never a 5xx; a 4xx is an OpenAI error object (except uvicorn's plain-text 400 for
-    a request that is not valid HTTP, which never reaches the app); a 200 is well formed."""
+def check_response(r: httpx.Response, what: str, path: str = "") -> None:
+    """The property: never a 5xx; a 4xx is an OpenAI error object (Anthropic's under `/v1/messages`;
+    except uvicorn's plain-text 400 for a request that is not valid HTTP, which never reaches the app);
+    a 200 is well formed."""
     assert r.status_code < 500, f"{what}: {r.status_code} {r.text[:300]}"
     if r.status_code == 400 and r.headers.get("content-type", "").startswith("text/plain"):
         assert "Invalid HTTP request" in r.text, f"{what}: {r.text[:300]}"
         return
+    if path.startswith(("/v1/messages", "/v1/responses")):
+        return _check_api_response(r, what, path)
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) >= {"message", "type", "param", "code"} and isinstance(err["message"], str) \
@@ -407,3 +417,23 @@ def check_response(r: httpx.Response, what: str) -> None:
             assert "error" not in chunk, f"{what}: error chunk {ev[:300]}"
         return
     r.json()  # any other 200 is a JSON document
+
+
+def _check_api_response(r: httpx.Response, what: str, path: str) -> None:
+    """The Messages / Responses forms of the property: their own error object; a stream whose last event
+    ends the answer (`message_stop`; `response.completed` / `response.incomplete`) with no error event."""
+    anthropic = path.startswith("/v1/messages")
+    if r.status_code >= 400:
+        body = r.json()
+        err = body["error"]
+        assert not anthropic or body["type"] == "error", f"{what}: {r.text[:300]}"
+        assert isinstance(err["message"], str) and err["message"] and err["type"], f"{what}: {r.text[:300]}"
+        return
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        r.json()
+        return
+    events = [json.loads(ln[len("data: "):]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert "error" not in kinds, f"{what}: error event {r.text[-300:]}"
+    ends = ("message_stop",) if anthropic else ("response.completed", "response.incomplete")
+    assert kinds and kinds[-1] in ends, f"{what}: stream ended with {kinds[-1:]}"

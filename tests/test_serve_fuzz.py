@@ -87,6 +87,18 @@ def test_tally_has_no_5xx(server):
     assert t.total > 0 and not t.server_errors
 
 
+@FAST
+@given(req=_fuzz.requests(_fuzz.API_ROUTES))
+def test_fuzzed_messages_and_responses_requests_never_5xx(server, req):
+    """The same property for Anthropic's Messages and OpenAI's Responses routes (after the tally above,
+    whose counts the docs report), each with its own error shape and stream ending."""
+    path, body = req
+    content = _fuzz.encode(body)
+    r = send(server, path, content, {"content-type": "application/json"})
+    _fuzz.check_response(r, f"POST {path} {content[:300]!r}", path)
+    assert_alive(server, good_request=False)
+
+
 TAGS = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<think>",
         "</think>", "get_weather", "city", '{"a": [1, ', "null", "\n"]
 

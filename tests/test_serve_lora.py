@@ -95,6 +95,12 @@ def test_adapters_as_models_and_runtime_loading(live):
         client.completions.create(model="poet", prompt=PROMPT, max_tokens=2)
     assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=6, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text == outs[1]
+    r = httpx.post(live["url"] + "/v1/messages", headers={"x-api-key": KEY}, json={
+        "model": "sql", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["model"] == "tiny"  # Anthropic's `model` echoes the served name
+    metrics = httpx.get(live["url"] + "/metrics").text  # finished requests per adapter (the 404s not counted)
+    for name, n in (("sql", 3), ("poet", 2)):
+        assert f'glm5:lora_requests_total{{model_name="tiny",lora_name="{name}"}} {n}' in metrics
 
 
 def test_cli_lora_flags():

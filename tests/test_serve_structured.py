@@ -253,3 +253,41 @@ def test_logit_bias_best_of_n_stream_and_stops(live):
     many = c.completions.create(model="tiny", prompt="The", max_tokens=8, temperature=0,
                                 stop=[f"zz{i}" for i in range(40)] + [greedy[3:6]], extra_body={"ignore_eos": True})
     assert many.choices[0].finish_reason == "stop" and many.choices[0].text == greedy[:greedy.index(greedy[3:6])]
+
+
+def _chat_call(live, tool_choice) -> list[tuple[str, dict]]:
+    """The greedy forced call of the chat route (thinking off): (name, arguments) per call."""
+    r = oai(live).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather in Rome?"}], tools=WEATHER, max_tokens=200,
+        temperature=0, tool_choice=tool_choice, parallel_tool_calls=False,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0]
+    assert r.finish_reason == "tool_calls"
+    return [(t.function.name, json.loads(t.function.arguments)) for t in r.message.tool_calls]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_messages_tool_choice_is_the_chat_grammar(live, choice):
+    """Anthropic's tool_choice any / tool runs the chat route's required / named grammar: greedy, the
+    same call, a schema-valid `input`, stop_reason tool_use."""
+    import anthropic  # noqa: PLC0415
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in WEATHER]
+    c = anthropic.Anthropic(base_url=live["url"], api_key=KEY, max_retries=0)
+    m = c.messages.create(model="tiny", max_tokens=200, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                          tools=tools, tool_choice={**choice, "disable_parallel_tool_use": True},
+                          extra_body={"temperature": 0})
+    chat_choice = "required" if choice["type"] == "any" else {"type": "function", "function": {"name": "get_weather"}}
+    uses = [(b.name, b.input) for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses == _chat_call(live, chat_choice)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}
+    jsonschema.validate(uses[0][1], schemas[uses[0][0]])
+    if choice["type"] == "tool":
+        assert uses[0][0] == "get_weather"
+
+
+def test_responses_tool_choice_required_is_the_chat_grammar(live):
+    tools = [{"type": "function", **t["function"]} for t in WEATHER]
+    r = oai(live).responses.create(model="tiny", input="Weather in Rome?", tools=tools, tool_choice="required",
+                                   parallel_tool_calls=False, max_output_tokens=200, temperature=0,
+                                   reasoning={"effort": "none"})
+    calls = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls == _chat_call(live, "required")

@@ -33,7 +33,7 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     p.add_argument("--config", help="TOML with [engine] and [server] tables")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
-    p.add_argument("--api-key", help="require this Bearer key on /v1/* (or set GLM5_API_KEY)")
+    p.add_argument("--api-key", help="require this key on /v1/* as Bearer or x-api-key (or set GLM5_API_KEY)")
     p.add_argument("--admin-key", help="enable /admin/* with this Bearer key (or set GLM5_ADMIN_KEY)")
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",

@@ -49,6 +49,7 @@ class MTPProposer:
         self.lookup_drafts = 0  # drafts prompt lookup changed (found a token other than the MTP layer's)
         self.proposed = [0] * num_drafts  # drafts verified at each draft position
         self.accepted = [0] * num_drafts
+        self.num_drafts = 0  # verifications of a non-empty draft (vLLM's spec_decode_num_drafts)
 
     # ---- drafting ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -131,6 +132,7 @@ class MTPProposer:
             gen = req.generator if req.generator is not None else sampler.generator
             out = spec_verify(probs, None, drafts, generator=gen)
         n_acc = len(out) - 1
+        self.num_drafts += int(bool(drafts))
         for i in range(len(drafts)):
             self.proposed[i] += 1
             self.accepted[i] += int(i < n_acc)
@@ -141,4 +143,5 @@ class MTPProposer:
         total = sum(self.proposed)
         return {"spec_num_draft_tokens": total, "spec_num_accepted_tokens": sum(self.accepted),
                 "spec_acceptance_rate": sum(self.accepted) / total if total else 0.0,
-                "spec_acceptance_per_position": rates, "spec_num_lookup_draft_tokens": self.lookup_drafts}
+                "spec_acceptance_per_position": rates, "spec_num_lookup_draft_tokens": self.lookup_drafts,
+                "spec_num_drafts": self.num_drafts, "spec_num_accepted_tokens_per_pos": list(self.accepted)}

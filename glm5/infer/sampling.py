@@ -86,6 +86,10 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam score = sum logprob / generated_len ** length_penalty
     early_stopping: bool | Literal["never"] = False  # HF semantics
     temperature_schedule: tuple[float, float] | None = None  # linear (start, end) over max_tokens
+    # Reasoning budget: once this many output tokens are out without `thinking_end_token_id` (`</think>`),
+    # that token is forced, so the answer starts (the prompt left a thinking block open)
+    thinking_budget: int | None = None
+    thinking_end_token_id: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -118,7 +122,8 @@ class SamplingParams:
     def token_id_fields(self) -> dict[str, Iterable[int]]:
         """Every field that holds token ids, by name (what `check_vocab` checks)."""
         return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or {}),
-                "logprob_token_ids": self.logprob_token_ids or []}
+                "logprob_token_ids": self.logprob_token_ids or [],
+                "thinking_end_token_id": [] if self.thinking_end_token_id is None else [self.thinking_end_token_id]}
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `ValueError` naming the field if a token id is outside [0, vocab_size)."""
@@ -156,6 +161,8 @@ class SamplingParams:
             yield f"logprob_token_ids must be token ids >= 0, got {self.logprob_token_ids[:5]}"
         if any(not s for s in self.stop):
             yield "stop must not contain empty strings"
+        if self.thinking_budget is not None and (self.thinking_budget < 1 or self.thinking_end_token_id is None):
+            yield f"thinking_budget must be >= 1 and come with thinking_end_token_id, got {self.thinking_budget}"
         for tid, bias in (self.logit_bias or {}).items():
             if not isinstance(tid, int) or tid < 0 or not -100 <= bias <= 100:
                 yield f"logit_bias must map token ids >= 0 to values in [-100, 100], got {tid}: {bias}"
@@ -252,6 +259,7 @@ class Sampler:
         x = apply_logit_bias(raw, rows)
         x = apply_token_bitmask(x, [r.token_bitmask for r in rows])
         x = apply_min_tokens(x, rows)
+        x = apply_thinking_budget(x, rows)
         x = apply_penalties(x, rows)
         temps = [r.params.temperature_at(len(r.output_token_ids)) for r in rows]
         greedy = torch.tensor([t == 0 for t in temps], device=x.device)
@@ -303,6 +311,21 @@ def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     x = x.clone()
     for i in masked:
         x[i, list(rows[i].stop_ids_until_min)] = float("-inf")
+    return x
+
+
+def apply_thinking_budget(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows whose reasoning used up `thinking_budget` output tokens without closing get only the
+    `thinking_end_token_id` logit left (on a copy): the next token ends the thinking block."""
+    forced = [i for i, r in enumerate(rows) if r.params.thinking_budget is not None
+              and len(r.output_token_ids) >= r.params.thinking_budget
+              and r.params.thinking_end_token_id not in r.output_token_ids]
+    if not forced:
+        return x
+    x = x.clone()
+    for i in forced:
+        x[i] = float("-inf")
+        x[i, rows[i].params.thinking_end_token_id] = 0.0  # the one finite logit: sampled at any temperature
     return x
 
 

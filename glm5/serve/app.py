@@ -3,9 +3,12 @@
 `create_app(engine, tokenizer, config)` wraps a synchronous `LLMEngine` (driven by `AsyncEngine` in one
 background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/infill` (llama.cpp's code
 completion), `/v1/models` (the base model and its loaded LoRA adapters: a request's `model` may name one),
+`/v1/responses` (OpenAI's Responses API), `/v1/messages` and `/v1/messages/count_tokens` (Anthropic's
+Messages API: its error shape, `x-api-key`),
 `/health`, `/metrics`, `/tokenize`, `/detokenize`, the expert hot-swap admin routes and vLLM's
-`/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with `{"error": {"message", "type", "param", "code"}}`; a 500
-means a server bug.
+`/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with
+`{"error": {"message", "type", "param", "code"}}` (Anthropic's `{"type": "error", "error": {"type",
+"message"}}` under `/v1/messages`); a 500 means a server bug.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
-from glm5.serve.sessions import SessionStore
+from glm5.serve.sessions import ResponseStore, SessionStore
 from glm5.serve import admin
 from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, RequestFailed
 from glm5.serve.common import APIError, ServerState, as_api_error
@@ -36,15 +39,23 @@ from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, Detok
                                  LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                  TokenizeRequest, now)
 from glm5.serve.serving_chat import create_chat_completion, render_and_encode
+from glm5.serve.protocol_anthropic import CountTokensRequest, MessagesRequest
 from glm5.serve.serving_completion import create_completion
+from glm5.serve.protocol_responses import ResponsesRequest
+from glm5.serve.serving_messages import count_tokens, create_message
+from glm5.serve.serving_responses import create_response
 from glm5.serve.serving_infill import create_infill
 from glm5.serve.validation import check_body_text
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
-           headers=None) -> JSONResponse:
-    e = APIError(status, message, type_, param, code, headers)
-    return JSONResponse(e.body(), status_code=status, headers=headers)
+def _error(request: Request, status: int, message: str, type_: str = "invalid_request_error", param=None,
+           code=None, headers=None) -> JSONResponse:
+    return _error_response(request.url.path, APIError(status, message, type_, param, code, headers))
+
+
+def _error_response(path: str, e: APIError) -> JSONResponse:
+    """`e` as a JSON response in the error shape of the API `path` belongs to (OpenAI or Anthropic)."""
+    return JSONResponse(e.body_for(path), status_code=e.status, headers=e.headers)
 
 
 class Gatekeeper:
@@ -70,12 +81,12 @@ class Gatekeeper:
             await send(msg)
 
         try:
-            self._authorize(scope["path"], headers.get("authorization", ""))
+            self._authorize(scope["path"], headers)
             body = await self._read_body(scope, receive, headers)
             if body and not scope["path"].startswith("/admin/"):
                 check_body_text(body)
         except APIError as e:
-            return await JSONResponse(e.body(), e.status, e.headers)(scope, receive, send_with_headers)
+            return await _error_response(scope["path"], e)(scope, receive, send_with_headers)
         if body is None:
             return await self.app(scope, receive, send_with_headers)
         replayed = False
@@ -89,13 +100,15 @@ class Gatekeeper:
 
         await self.app(scope, replay, send_with_headers)
 
-    def _authorize(self, path: str, authorization: str) -> None:
-        cfg = self.state.config
+    def _authorize(self, path: str, headers: dict[str, str]) -> None:
+        cfg, authorization = self.state.config, headers.get("authorization", "")
         if path.startswith("/admin/") or path in LORA_ADMIN_ROUTES:
             if cfg.admin_key is None:
                 raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
                                "permission_error", code="admin_disabled")
             _check_bearer(authorization, cfg.admin_key, "admin key")
+        elif "x-api-key" in headers and path.startswith("/v1/"):  # Anthropic clients send the key this way
+            _check_key(headers["x-api-key"], cfg.api_key, "API key")
         elif path.startswith(("/v1/", "/tokenize", "/detokenize", "/infill")):
             _check_bearer(authorization, cfg.api_key, "API key")
 
@@ -130,8 +143,13 @@ def _check_bearer(authorization: str, key: str | None, what: str) -> None:
         return
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, f"missing or invalid {what} (Authorization: Bearer ...)", "authentication_error",
-                       code="invalid_api_key")
+        raise APIError(401, f"missing or invalid {what} (Authorization: Bearer ... or x-api-key)",
+                       "authentication_error", code="invalid_api_key")
+
+
+def _check_key(token: str, key: str | None, what: str) -> None:
+    """`x-api-key: KEY` (Anthropic's header): the same key as the Bearer check."""
+    _check_bearer(f"Bearer {token}", key, what)
 
 
 async def _until_disconnect(request: Request, coro):
@@ -172,6 +190,7 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
     state = ServerState(engine, aengine, tokenizer, config, name,
                         SessionStore(engine.config.max_session_len, engine.config.session_policy),
                         image_reader=image_reader,
+                        responses=ResponseStore(config.max_stored_responses),
                         pool=ThreadPoolExecutor(config.tokenizer_workers, "glm5-tokenize"))
 
     @asynccontextmanager
@@ -192,43 +211,42 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
 def _install_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return _error_response(request.url.path, e)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
-            return _error(400, f"Malformed JSON body: {first.get('ctx', {}).get('error', '')}".strip(), param="body")
+            return _error(request, 400, f"Malformed JSON body: {first.get('ctx', {}).get('error', '')}".strip(), param="body")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         msg = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:]) or 'body'}: {err.get('msg')}"
                         for err in errs[:5])
-        return _error(400, msg or "invalid request", param=param)
+        return _error(request, 400, msg or "invalid request", param=param)
 
     @app.exception_handler(Overloaded)
     async def overloaded(request, e):
-        return _error(503, f"server overloaded: {e}; retry later", "server_overloaded",
+        return _error(request, 503, f"server overloaded: {e}; retry later", "server_overloaded",
                       headers={"Retry-After": str(state.config.retry_after_s)})
 
     @app.exception_handler(EngineDead)
     @app.exception_handler(RequestFailed)
     async def engine_error(request, e):
-        err = as_api_error(e)
-        return JSONResponse(err.body(), status_code=err.status)
+        return _error_response(request.url.path, as_api_error(e))
 
     @app.exception_handler(ValueError)
     async def engine_rejected(request, e):  # the engine's own parameter validation
-        return _error(400, str(e))
+        return _error(request, 400, str(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):
-        return _error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else
+        return _error(request, e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else
                       "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def internal(request, e):
-        return _error(500, f"internal error: {type(e).__name__}", "internal_server_error", code="internal_error")
+        return _error(request, 500, f"internal error: {type(e).__name__}", "internal_server_error", code="internal_error")
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -245,6 +263,19 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(request, body, create_chat_completion(state, body, f"chatcmpl-{uuid.uuid4().hex}"))
+
+    @app.post("/v1/responses")  # OpenAI's Responses API
+    async def responses(body: ResponsesRequest, request: Request):
+        return await respond(request, body, create_response(state, body))
+
+    @app.post("/v1/messages")  # Anthropic's Messages API
+    async def messages(body: MessagesRequest, request: Request):
+        return await respond(request, body, create_message(state, body))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest, request: Request):
+        state.check_model(body.model)
+        return await state.prepare(count_tokens, state, body)
 
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request):  # llama.cpp's code-completion route

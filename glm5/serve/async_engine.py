@@ -375,6 +375,8 @@ class AsyncEngine:
             self.metrics.observe("vllm:e2e_request_latency_seconds", now - p.arrival)
             reason = out.outputs[0].finish_reason if out.outputs else None
             self.metrics.inc("vllm:request_success_total", 1.0, str(reason or "stop"))
+            if p.lora is not None:
+                self.metrics.count_lora_request(p.lora)
 
     @staticmethod
     def _queue_time(p: _Pending, out) -> float:

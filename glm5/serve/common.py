@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import SamplingParams, check_token_ids
-from glm5.serve.sessions import SessionStore
+from glm5.serve.sessions import ResponseStore, SessionStore
 from glm5.serve.async_engine import AsyncEngine, EngineDead, RequestFailed
 from glm5.infer.structured import StructuredOutputs
 from glm5.serve.config import ServerConfig
@@ -36,6 +36,21 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        """The same error in Anthropic's shape (the Messages API routes): its type follows the status."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def body_for(self, path: str) -> dict:
+        """The error object of the API that `path` belongs to."""
+        return self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                         529: "overloaded_error"}
 
 
 def as_api_error(e: BaseException) -> APIError:
@@ -63,6 +78,7 @@ class ServerState:
     # raises ValueError for an unreadable image. None: image parts are refused with a 400.
     image_reader: Callable[[str], str] | None = None
     pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "glm5-tokenize"))
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(256))  # `previous_response_id`
 
     async def prepare(self, fn, *args, **kwargs):
         """Run `fn(*args, **kwargs)` in the tokenizer pool: work that grows with the prompt (chat template,

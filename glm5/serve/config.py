@@ -14,7 +14,7 @@ from typing import Literal
 class ServerConfig:
     host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
     port: int = 8000  # TCP port
-    api_key: str | None = None  # Bearer key required on /v1/*, /tokenize, /detokenize (/health, /metrics stay open)
+    api_key: str | None = None  # Bearer (x-api-key too) key on /v1/*, /tokenize, /detokenize; /health, /metrics open
     admin_key: str | None = None  # Bearer key required on /admin/*; admin routes are off without it
     served_model_name: str | None = None  # model id clients must send; default: the model path's name
     max_waiting_requests: int = 256  # past this many queued requests answer 503 + Retry-After
@@ -29,6 +29,7 @@ class ServerConfig:
     # /infill and `suffix`: "auto" = sentinel FIM (suffix first) when the tokenizer has FIM tokens, else GLM
     # blank infilling on a model trained for it; "psm" = prefix-suffix-middle order
     infill_format: Literal["auto", "glm", "spm", "psm"] = "auto"
+    max_stored_responses: int = 256  # /v1/responses kept for `previous_response_id` (oldest evicted first)
     infill_truncate: bool = True  # too long prefix/suffix: cut the far ends (reported) instead of a 400
 
     def __post_init__(self):
@@ -36,6 +37,7 @@ class ServerConfig:
             raise ValueError(f"port: {self.port} is not a TCP port")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s: must be >= 0 seconds, got {self.shutdown_timeout_s}")
-        for name in ("max_waiting_requests", "max_body_bytes", "max_admin_body_bytes", "tokenizer_workers"):
+        for name in ("max_waiting_requests", "max_body_bytes", "max_admin_body_bytes", "tokenizer_workers",
+                     "max_stored_responses"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")

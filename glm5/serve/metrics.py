@@ -2,6 +2,10 @@
 
 Latency histograms are observed by the async engine from its own monotonic timestamps; gauges and
 prefix-cache counters come from `engine.get_stats()` at scrape time. Every series has `model_name`.
+Speculative decoding (MTP) uses vLLM v1's counter families (`vllm:spec_decode_num_drafts`, ...; samples
+carry the `_total` suffix as prometheus_client writes them, per-position counts a `position` label);
+`vllm:gpu_prefix_cache_hit_rate` is hits / queries since start; `glm5:lora_requests_total` counts
+finished requests per LoRA adapter.
 """
 
 from __future__ import annotations
@@ -42,6 +46,16 @@ FROM_STATS = {
 }
 
 
+# counter family -> (help, the `engine.get_stats()` key); present only when the engine drafts (MTP)
+SPEC_DECODE = {
+    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "spec_num_drafts"),
+    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "spec_num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", "spec_num_accepted_tokens"),
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+LORA_REQUESTS = "glm5:lora_requests_total"
+
+
 class _Histogram:
     def __init__(self, buckets):
         self.buckets = buckets
@@ -61,6 +75,7 @@ class ServerMetrics:
         self.lock = threading.Lock()
         self.hist = {name: _Histogram(b) for name, (_, b) in HISTOGRAMS.items()}
         self.counters: dict[tuple[str, str], float] = {}
+        self.lora_requests: dict[str, int] = {}  # adapter name -> finished requests
 
     def observe(self, name: str, value: float) -> None:
         with self.lock:
@@ -69,6 +84,10 @@ class ServerMetrics:
     def inc(self, name: str, value: float = 1.0, reason: str = "") -> None:
         with self.lock:
             self.counters[(name, reason)] = self.counters.get((name, reason), 0.0) + value
+
+    def count_lora_request(self, name: str) -> None:
+        with self.lock:
+            self.lora_requests[name] = self.lora_requests.get(name, 0) + 1
 
     def render(self, stats: dict, extra_queued: int = 0) -> str:
         label = f'model_name="{_escape(self.model_name)}"'
@@ -87,8 +106,32 @@ class ServerMetrics:
             if name == "vllm:num_requests_waiting":
                 value += extra_queued  # requests the server holds back (dynamic batching, max_batch_size)
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {value}"]
+        self._render_hit_rate(lines, stats, label)
+        self._render_spec_decode(lines, stats, label)
+        with self.lock:
+            lines += [f"# HELP {LORA_REQUESTS} Finished requests per LoRA adapter.", f"# TYPE {LORA_REQUESTS} counter"]
+            lines += [f'{LORA_REQUESTS}{{{label},lora_name="{_escape(n)}"}} {v}'
+                      for n, v in sorted(self.lora_requests.items())]
         self._render_expert_load(lines, stats.get("expert_load") or {}, label)
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _render_hit_rate(lines, stats: dict, label: str) -> None:
+        queries, hits = stats.get("prefix_cache_queries") or 0, stats.get("prefix_cache_hits") or 0
+        name = "vllm:gpu_prefix_cache_hit_rate"
+        lines += [f"# HELP {name} Prefix-cache hit rate (hit tokens over queried tokens, since start).",
+                  f"# TYPE {name} gauge", f"{name}{{{label}}} {hits / queries if queries else 0.0}"]
+
+    @staticmethod
+    def _render_spec_decode(lines, stats: dict, label: str) -> None:
+        """vLLM's speculative-decoding counters; absent when the engine does not draft."""
+        if "spec_num_drafts" not in stats:
+            return
+        for name, (help_, key) in SPEC_DECODE.items():
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name}_total{{{label}}} {stats[key]}"]
+        lines += [f"# HELP {PER_POS} Accepted tokens per draft position.", f"# TYPE {PER_POS} counter"]
+        lines += [f'{PER_POS}_total{{{label},position="{pos}"}} {n}'
+                  for pos, n in enumerate(stats["spec_num_accepted_tokens_per_pos"])]
 
     @staticmethod
     def _render_expert_load(lines, load: dict, label: str) -> None:

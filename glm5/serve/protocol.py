@@ -231,6 +231,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     session_id: str | None = Field(default=None, min_length=1, max_length=256)  # server-side history (sessions.py)
+    # glm5 extra (Anthropic's `thinking.budget_tokens`): at most this many reasoning tokens, then `</think>`
+    thinking_budget: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check_tools(self):

@@ -16,13 +16,16 @@ from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from glm5.data.tokenizer import MissingSpecialTokens
+from glm5.infer.outputs import RequestOutput
 from glm5.infer.sampling import SamplingParams
 from glm5.infer.structured import StructuredOutputs, glm_tool_call_tag
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, check_grammar, logprob_of, max_tokens_for,
                                sampling_params, sse, structured_spec, token_bytes, token_str, top_entries)
 from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
+from glm5.serve.parsers.reasoning_glm import THINK_CLOSE
 from glm5.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Usage, now
 from glm5.serve.sessions import SUMMARY_REQUEST
 from glm5.serve.validation import check_tools
@@ -37,6 +40,17 @@ def _thinking(kwargs: dict) -> bool:
     if flag is None and alias is not None:
         flag = alias.get("type") != "disabled" if isinstance(alias, dict) else bool(alias)
     return True if flag is None else bool(flag)
+
+
+def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request built by another API's route (Messages, Responses) from its own request; a field
+    the chat schema rejects is a 400 naming it."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"{where or 'body'}: {err.get('msg')}", param=where or None) from e
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list | None]:
@@ -95,7 +109,7 @@ def render_and_encode(state: ServerState, req: ChatCompletionRequest):
     return text, spec, tools, state.tokenizer.encode(text)
 
 
-class _Choice:
+class ChatChoice:
     """Per-choice parser pipeline and accumulated message."""
 
     def __init__(self, state: ServerState, index: int, reasoning_open: bool, tools):
@@ -211,7 +225,10 @@ async def read_images(state: ServerState, req: ChatCompletionRequest) -> ChatCom
     return req
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
+async def start_chat(state: ServerState, req: ChatCompletionRequest, request_id: str) -> ChatJob:
+    """Validate, render, encode and admit `req`; -> the running job (its first engine output already in,
+    so admission errors surface before any byte is sent). The Messages and Responses routes convert
+    their requests into a `ChatCompletionRequest` and run through here too."""
     lora = state.check_model(req.model)
     req = await read_images(state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -226,21 +243,37 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     extra = {"skip_special_tokens": False, "structured_outputs": spec}  # <think>/<tool_call> reach the parsers
     if top_k is not None:
         extra["logprobs"] = top_k
+    if req.thinking_budget is not None and prompt_opens_reasoning(text):
+        extra.update(thinking_budget=req.thinking_budget, thinking_end_token_id=_think_end_id(state))
     params = sampling_params(req, max_tokens, state, **extra)
     stream = state.async_engine.generate(request_id, prompt_ids, params, lora=lora)
-    choices = [_Choice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
+    choices = [ChatChoice(state, i, prompt_opens_reasoning(text), tools) for i in range(req.n)]
     try:
-        first = await stream.__anext__()  # admission errors surface before any byte is sent
+        first = await stream.__anext__()
     except StopAsyncIteration:  # pragma: no cover
         raise APIError(500, "engine returned no output", "internal_server_error")
     version = first.model_version if first.model_version is not None else state.async_engine.model_version
-    job = _ChatJob(state, req, request_id, choices, len(prompt_ids), top_k, version)
+    job = ChatJob(state, req, request_id, choices, len(prompt_ids), top_k, version, first, stream)
     if new_messages is not None:
         job.on_done = lambda reply: state.sessions.record(req.session_id, new_messages, reply)
+    return job
+
+
+def _think_end_id(state: ServerState) -> int:
+    """The `</think>` token a thinking budget forces; 400 if the tokenizer has no single token for it."""
+    ids = state.tokenizer.encode(THINK_CLOSE, add_special_tokens=False)
+    if len(ids) != 1:
+        raise APIError(400, f"thinking_budget: the tokenizer has no single {THINK_CLOSE} token",
+                       param="thinking_budget", code="unsupported_by_tokenizer")
+    return ids[0]
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request_id: str):
+    job = await start_chat(state, req, request_id)
     if req.stream:
-        return StreamingResponse(job.stream(first, stream), media_type="text/event-stream",
-                                 headers={"X-Model-Version": str(version)})
-    return await job.collect(first, stream)
+        return StreamingResponse(job.stream(), media_type="text/event-stream",
+                                 headers={"X-Model-Version": str(job.version)})
+    return await job.collect()
 
 
 async def _with_session(state: ServerState, req: ChatCompletionRequest, requested: int | None,
@@ -274,10 +307,17 @@ async def _summary(state: ServerState, cut: list[dict], request_id: str, max_tok
     return final.outputs[0].text if final is not None else ""
 
 
-class _ChatJob:
-    def __init__(self, state, req, request_id, choices, num_prompt_tokens, top_k, version):
+class ChatJob:
+    """One admitted chat request: its choices' parser pipelines over the engine's output stream.
+    `collect()` / `stream()` answer in the chat-completions shape; `deltas()` gives other API shapes
+    the same per-choice OpenAI deltas to convert."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, choices: list[ChatChoice],
+                 num_prompt_tokens: int, top_k: int | None, version: int, first: RequestOutput,
+                 rest: AsyncIterator[RequestOutput]):
         self.state, self.req, self.id, self.choices = state, req, request_id, choices
         self.num_prompt_tokens, self.top_k, self.version = num_prompt_tokens, top_k, version
+        self.first, self.rest = first, rest
         self.created = now()
         self.num_generated = 0
         self.on_done = None  # called with the first choice's reply message once the response is complete
@@ -295,12 +335,20 @@ class _ChatJob:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,
                      total_tokens=self.num_prompt_tokens + self.num_generated).model_dump()
 
-    def _feed(self, out) -> list[tuple[_Choice, dict]]:
+    def _feed(self, out) -> list[tuple[ChatChoice, dict]]:
         self.num_generated = sum(len(c.token_ids) for c in out.outputs)
         return [(self.choices[c.index], self.choices[c.index].feed(c, self.top_k)) for c in out.outputs]
 
-    async def collect(self, first, rest) -> dict:
-        async for out in chain(first, rest):
+    async def deltas(self) -> AsyncIterator[tuple[ChatChoice, dict]]:
+        """(choice, its `ChatChoice.feed` result) for every engine output, in order; the reply is recorded
+        (sessions) once the stream is through."""
+        async for out in chain(self.first, self.rest):
+            for item in self._feed(out):
+                yield item
+        self._done()
+
+    async def collect(self) -> dict:
+        async for out in chain(self.first, self.rest):
             self._feed(out)
         choices = [{"index": ch.index, "message": ch.message(),
                     "logprobs": {"content": ch.logprobs} if self.top_k is not None else None,
@@ -311,11 +359,11 @@ class _ChatJob:
             body["session"] = self.state.sessions.info(self.req.session_id)
         return {**body, "_model_version": self.version}
 
-    async def stream(self, first, rest) -> AsyncIterator[str]:
+    async def stream(self) -> AsyncIterator[str]:
         yield sse(self._chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None} for ch in self.choices]))
         try:
-            async for out in chain(first, rest):
+            async for out in chain(self.first, self.rest):
                 chunk = []
                 for ch, d in self._feed(out):
                     if d["delta"] or d["finished"] or d["logprobs"]:

@@ -14,6 +14,7 @@ Knows no HTTP: `serving_chat.py` calls `messages_for`, `cut`, `record`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -101,3 +102,26 @@ def _cuttable(message: dict) -> bool:
     """Everything but the user's own system messages; an earlier summary is cut (and summarised again)."""
     content = message.get("content")
     return message.get("role") != "system" or (isinstance(content, str) and content.startswith(SUMMARY_PREFIX))
+
+
+class ResponseStore:
+    """The Responses API's `previous_response_id`: response id -> the conversation up to and including
+    that response (OpenAI chat message dicts), the `max_responses` most recent only (oldest evicted).
+    Thread-safe (read in the tokenizer pool, written on the event loop)."""
+
+    def __init__(self, max_responses: int):
+        if max_responses < 1:
+            raise ValueError(f"max_responses must be >= 1, got {max_responses}")
+        self.max_responses = max_responses
+        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        with self._lock:
+            self._items[response_id] = messages
+            while len(self._items) > self.max_responses:
+                self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> list[dict] | None:
+        with self._lock:
+            return self._items.get(response_id)
