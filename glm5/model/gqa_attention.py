@@ -5,6 +5,9 @@ bias when `attention_bias`; with `use_qk_norm` every query and key head goes thr
 (eps = rms_norm_eps) before RoPE. RoPE is half-split (NeoX pairs x[i], x[i + r/2]) over the first
 r = D * partial_rotary_factor channels of each head only (GLM-4.5: 64 of 128); the rest pass through.
 Each group of H / G query heads shares one key/value head; scores are scaled by D^-0.5; o_proj has no bias.
+Training / no cache: SDPA over the batch. Paged (serving: `PagedContext`): this step's rotated keys and
+values are written into the cache rows [k | v] (glm5/model/kv_cache.py), then each attention group's
+queries attend to their sequences' cached rows under the group's mask.
 
 Dims: B batch, T queries, S keys, H query heads, G key/value heads, D head dim, r rotary channels.
 """
@@ -15,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import _place, _rows
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope
 from .masks import MaskSpec
-from .paged import PagedContext
+from .paged import AttnGroup, PagedContext
 
 
 class GQAttention(nn.Module):
@@ -56,8 +60,7 @@ class GQAttention(nn.Module):
                 prev_sel=None):
         """x [B, T, hidden] -> (out [B, T, hidden], None): no key selection in this architecture."""
         if isinstance(ctx, PagedContext):
-            raise ValueError("glm4_moe (GQA) layers have no paged K/V cache: the engine serves the MLA "
-                             "architectures (glm_moe_dsa, glm4_moe_lite)")
+            return self._forward_paged(x, cos, sin, ctx), None
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # [B, H|G, T, D]
         S = k.shape[2]
@@ -68,3 +71,22 @@ class GQAttention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if allowed is None else allowed[:, None],
                                                scale=self.scale, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None
+
+    def _forward_paged(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: PagedContext) -> torch.Tensor:
+        """Flat tokens x [1, N, hidden] -> [1, N, hidden]."""
+        meta, rows = ctx.meta, ctx.cache.latent[self.layer_idx]
+        q, k, v = self.project(x, cos, sin)  # [1, N, H, D], [1, N, G, D], [1, N, G, D]
+        ctx.cache.write_kv(self.layer_idx, meta.slot_mapping, k[0].flatten(-2), v[0].flatten(-2))
+        out = None  # [N, H, D]
+        for g in meta.groups:
+            out = _place(out, g, self._attend_group(g, q[0], rows), q.shape[1])
+        return self.o_proj(out.flatten(-2))[None]
+
+    def _attend_group(self, g: AttnGroup, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One group's queries (rows of q [N, H, D]) over its sequences' cached [k | v] rows -> [B, T, H, D]."""
+        B, S = g.key_slots.shape
+        kv = rows.index_select(0, g.key_slots.reshape(-1)).view(B, S, 2, self.n_kv, self.head_dim).to(q.dtype)
+        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, G, S, D]
+        o = F.scaled_dot_product_attention(_rows(g, q).transpose(1, 2), k, v, attn_mask=g.allowed[:, None],
+                                           scale=self.scale, enable_gqa=True)  # [B, H, T, D]
+        return o.transpose(1, 2)

@@ -1,0 +1,107 @@
+"""The engine on GLM-4.5-style (`glm4_moe`: GQA, paged K/V rows) and GLM-4.7-Flash-style (`glm4_moe_lite`:
+MLA without the indexer, paged latent rows) checkpoints: greedy output == transformers `generate` ==
+naive full recompute, with concurrent requests, chunked prefill, prefix-cache hits, preemption, MTP
+speculation, INT8 weights and expert offload."""
+
+import copy
+
+import pytest
+import torch
+
+from glm5.infer import quant
+from glm5.infer.config import EngineConfig
+from glm5.infer.engine import LLMEngine
+from glm5.infer.offload import OffloadedExperts
+from glm5.infer.sampling import SamplingParams
+from glm5.model.hf_adapter import save_pretrained
+
+from .test_hf_glm4 import CORNERS, _model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+ARCHS = {"glm4_moe": dict(CORNERS["gqa_qknorm_bias_partial"], num_nextn_predict_layers=1),
+         "glm4_moe_lite": dict(CORNERS["lite"], num_nextn_predict_layers=1)}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model(request):
+    return _model(ARCHS[request.param], seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in (3, 11, 19, 26)]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return [model.generate_greedy(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in prompts]
+
+
+def make_engine(model, **kw) -> LLMEngine:
+    opts = dict(device="cpu", num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16)
+    return LLMEngine(EngineConfig(**{**opts, **kw}), model=model)
+
+
+def run_all(engine: LLMEngine, prompts, params=GREEDY, prefix="r") -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", prompt_token_ids=p, params=params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def test_engine_equals_transformers_generate(model, prompts, reference, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    assert run_all(make_engine(model), prompts) == reference  # 16-token budget: long prompts in chunks
+    save_pretrained(model, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    for p, ref in zip(prompts, reference):
+        out = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        assert out[0, len(p):].tolist() == ref
+
+
+def test_cache_rows_are_the_architectures(model):
+    engine = make_engine(model)
+    cfg, cache = model.config, engine.runner.cache
+    width = (2 * cfg.num_key_value_heads * cfg.head_dim if cfg.model_type == "glm4_moe"
+             else cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert all(t.shape[1] == width for t in cache.latent) and all(t is None for t in cache.index_k)
+
+
+def test_prefix_cache_hits_and_preemption(model, prompts, reference):
+    engine = make_engine(model, num_blocks=20)  # 20 blocks x 4 tokens cannot hold all four at once
+    assert run_all(engine, prompts) == reference
+    assert engine.get_stats()["num_preemptions"] > 0
+    hits = engine.get_stats()["prefix_cache_hits"]
+    shared = [prompts[3][:16] + p for p in ([7, 8], [9], [10, 11, 12])]  # share 4 full blocks
+    refs = [model.generate_greedy(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in shared]
+    assert run_all(engine, shared, prefix="s") == refs
+    assert engine.get_stats()["prefix_cache_hits"] >= hits + 16
+
+
+def test_mtp_speculation_keeps_greedy_exact(model, prompts, reference):
+    engine = make_engine(model, speculative_num_tokens=2)
+    assert run_all(engine, prompts) == reference
+    assert engine.get_stats()["spec_num_draft_tokens"] > 0
+
+
+def test_int8_engine_matches_the_quantized_model(model, prompts):
+    q = quant.quantize_model(copy.deepcopy(model), {"small": "dequant", "large": "dequant"})
+    ref = [q.generate_greedy(torch.tensor([p]), 8)[0, len(p):].tolist() for p in prompts]
+    engine = make_engine(copy.deepcopy(model), quantization="int8", int8_kernel="dequant")
+    assert isinstance(engine.model.lm_head, quant.Int8Linear)
+    assert run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == ref
+
+
+def test_expert_offload_equals_resident(model, prompts, reference, tmp_path):
+    save_pretrained(model, tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_blocks=64, block_size=4,
+                                    max_model_len=64, max_num_batched_tokens=16, max_resident_experts=2))
+    assert isinstance(engine.model.model.layers[1].mlp.experts, OffloadedExperts)
+    assert run_all(engine, prompts) == reference
