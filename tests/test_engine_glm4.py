@@ -105,3 +105,42 @@ def test_expert_offload_equals_resident(model, prompts, reference, tmp_path):
                                     max_model_len=64, max_num_batched_tokens=16, max_resident_experts=2))
     assert isinstance(engine.model.model.layers[1].mlp.experts, OffloadedExperts)
     assert run_all(engine, prompts) == reference
+
+
+def test_multi_lora_matches_merged_models(model, prompts, tmp_path):
+    from glm5.finetune.adapters import from_pretrained
+    from glm5.model import lora
+
+    save_pretrained(model, tmp_path / "base")
+    adapted = from_pretrained(tmp_path / "base")
+    adapted.add_lora(lora.LoraConfig(r=4, alpha=8, targets=["attn", "mlp"]))
+    names = {t.name for t, _ in lora.lora_layers(adapted)}
+    attn = ("q_proj", "k_proj", "v_proj") if model.config.model_type == "glm4_moe" else ("q_a_proj", "kv_b_proj")
+    assert all(any(n.endswith(f"self_attn.{a}") for n in names) for a in attn)
+    with torch.no_grad():
+        for t, mod in lora.lora_layers(adapted):
+            mod.lora_B.weight.normal_(0, 0.15)
+    adapted.save_adapter(tmp_path / "a")
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "base"), device="cpu", dtype="float32", num_blocks=64,
+                                    block_size=4, max_model_len=64, max_num_batched_tokens=16, max_loras=1,
+                                    lora_modules={"a": str(tmp_path / "a")}))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=params, lora_name="a" if i != 1 else None)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    merged = from_pretrained(tmp_path / "base", adapter=tmp_path / "a")
+    merged.merge_adapter()
+    for i, p in enumerate(prompts[:3]):
+        ref = (merged if i != 1 else model).generate_greedy(torch.tensor([p]), 8)[0, len(p):].tolist()
+        assert done[f"r{i}"] == ref, i
+
+
+def test_latent_prefix_is_refused_for_gqa(model, tmp_path):
+    from glm5.finetune import prefix
+
+    if model.config.model_type != "glm4_moe":
+        pytest.skip("MLA models take a latent prefix (tests/test_finetune_prefix.py)")
+    with pytest.raises(ValueError, match="grouped-query attention"):
+        prefix.apply_prefix(copy.deepcopy(model), 4)
