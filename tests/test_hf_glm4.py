@@ -208,3 +208,32 @@ def test_preset_parameter_counts_match_the_model_cards(preset):
     if preset == "glm-4.7-flash":  # the released safetensors hold 31,221,488,576 values: ours plus the MTP
         # layer's stored copies of embed_tokens and lm_head (layers.47.embed_tokens / shared_head.head)
         assert c["total_with_mtp"] + 2 * cfg.vocab_size * cfg.hidden_size == 31_221_488_576
+
+
+@pytest.mark.parametrize("preset", ["glm-4.5", "glm-4.7-flash"])
+def test_pretraining_loop_and_the_final_checkpoint(preset, tmp_path):
+    """The trainer on a shrunken real preset: the loss falls (with the MTP loss), and the final model is
+    a checkpoint transformers loads with our logits."""
+    from glm5.core.config import from_dict
+    from glm5.train.config import TrainConfig
+    from glm5.train.data import SyntheticData
+    from glm5.train.trainer import Trainer
+
+    small = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=24,
+                 n_routed_experts=8, num_experts_per_tok=2, num_attention_heads=4, pad_token_id=0, eos_token_id=[1])
+    small.update(dict(num_key_value_heads=2, head_dim=12) if preset == "glm-4.5" else
+                 dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                      qk_rope_head_dim=4, v_head_dim=8, mlp_layer_types=["dense", "sparse"]))
+    cfg = from_dict(TrainConfig, {"model": {"name": preset, "overrides": small}, "optim": {"lr": 3e-3},
+                                  "schedule": {"warmup_steps": 2}, "train": {"steps": 24},
+                                  "log": {"run_dir": str(tmp_path), "progress": False, "eval_batches": 1,
+                                          "measure_peak": False}})
+    t = Trainer(cfg, data=SyntheticData(96, 4, 24, seed=1))
+    t.fit()
+    losses = [h["loss"] for h in t.history]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2 and all(h["mtp_loss"] > 0 for h in t.history)
+    ours = glm5.from_pretrained(tmp_path / "final")
+    assert ours.config.model_type == ModelConfig.from_preset(preset).model_type
+    x = torch.randint(2, 96, (2, 11))
+    with torch.no_grad():
+        assert _close(ours(x).logits, _hf(tmp_path / "final")(x).logits) <= 1e-4
