@@ -15,9 +15,12 @@ from glm5.infer.offload import OffloadedExperts
 from glm5.infer.sampling import SamplingParams
 from glm5.model.hf_adapter import save_pretrained
 
+# the GLM-5 engine tests' fixtures and helpers; its prefix-cache / preemption test runs here on this
+# module's `model` fixture (both new architectures)
+from .test_engine_greedy import (GREEDY, make_engine, prompts, reference, run_all,  # noqa: F401 (fixtures)
+                                 test_prefix_cache_hits_and_preemption)
 from .test_hf_glm4 import CORNERS, _model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 ARCHS = {"glm4_moe": dict(CORNERS["gqa_qknorm_bias_partial"], num_nextn_predict_layers=1),
          "glm4_moe_lite": dict(CORNERS["lite"], num_nextn_predict_layers=1)}
 
@@ -27,31 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module", params=list(ARCHS))
 def model(request):
     return _model(ARCHS[request.param], seed=7)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in (3, 11, 19, 26)]
-
-
-@pytest.fixture(scope="module")
-def reference(model, prompts):
-    return [model.generate_greedy(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in prompts]
-
-
-def make_engine(model, **kw) -> LLMEngine:
-    opts = dict(device="cpu", num_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=16)
-    return LLMEngine(EngineConfig(**{**opts, **kw}), model=model)
-
-
-def run_all(engine: LLMEngine, prompts, params=GREEDY, prefix="r") -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", prompt_token_ids=p, params=params)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
 def test_engine_equals_transformers_generate(model, prompts, reference, tmp_path):
@@ -72,17 +50,6 @@ def test_cache_rows_are_the_architectures(model):
     width = (2 * cfg.num_key_value_heads * cfg.head_dim if cfg.model_type == "glm4_moe"
              else cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     assert all(t.shape[1] == width for t in cache.latent) and all(t is None for t in cache.index_k)
-
-
-def test_prefix_cache_hits_and_preemption(model, prompts, reference):
-    engine = make_engine(model, num_blocks=20)  # 20 blocks x 4 tokens cannot hold all four at once
-    assert run_all(engine, prompts) == reference
-    assert engine.get_stats()["num_preemptions"] > 0
-    hits = engine.get_stats()["prefix_cache_hits"]
-    shared = [prompts[3][:16] + p for p in ([7, 8], [9], [10, 11, 12])]  # share 4 full blocks
-    refs = [model.generate_greedy(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in shared]
-    assert run_all(engine, shared, prefix="s") == refs
-    assert engine.get_stats()["prefix_cache_hits"] >= hits + 16
 
 
 def test_mtp_speculation_keeps_greedy_exact(model, prompts, reference):
@@ -137,10 +104,8 @@ def test_multi_lora_matches_merged_models(model, prompts, tmp_path):
         assert done[f"r{i}"] == ref, i
 
 
-def test_latent_prefix_is_refused_for_gqa(model, tmp_path):
+def test_latent_prefix_is_refused_for_gqa():
     from glm5.finetune import prefix
 
-    if model.config.model_type != "glm4_moe":
-        pytest.skip("MLA models take a latent prefix (tests/test_finetune_prefix.py)")
     with pytest.raises(ValueError, match="grouped-query attention"):
-        prefix.apply_prefix(copy.deepcopy(model), 4)
+        prefix.apply_prefix(_model(ARCHS["glm4_moe"], seed=7), 4)
