@@ -143,6 +143,12 @@ def test_fp8_block_scaled_checkpoint(corner, tmp_path):
     assert name in quantized
     scale = t[name + "_scale_inv"].repeat_interleave(16, 0).repeat_interleave(16, 1)
     assert torch.equal(sd[name], t[name].float() * scale[: sd[name].shape[0], : sd[name].shape[1]])
+    # `glm5 convert` dequantises the same checkpoint into plain fp32 files with the same weights
+    from glm5.cli.main import main
+
+    assert main(["convert", str(tmp_path), str(tmp_path / "plain"), "--dtype", "float32"]) == 0
+    plain = glm5.from_pretrained(tmp_path / "plain").state_dict()
+    assert all(torch.equal(plain[k], v) for k, v in sd.items())
 
 
 def test_unknown_architecture_is_refused_by_name(tmp_path):
