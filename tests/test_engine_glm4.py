@@ -109,3 +109,13 @@ def test_latent_prefix_is_refused_for_gqa():
 
     with pytest.raises(ValueError, match="grouped-query attention"):
         prefix.apply_prefix(_model(ARCHS["glm4_moe"], seed=7), 4)
+
+
+def test_gqa_large_groups_run_sdpa_with_the_same_output(prompts, monkeypatch):
+    """Groups past SMALL_SCORES take SDPA under the boolean mask instead of the grouped products."""
+    from glm5.model import gqa_attention
+
+    model = _model(ARCHS["glm4_moe"], seed=7)
+    ref = [model.generate_greedy(torch.tensor([p]), GREEDY.max_tokens)[0, len(p):].tolist() for p in prompts]
+    monkeypatch.setattr(gqa_attention, "SMALL_SCORES", 0)
+    assert run_all(make_engine(model), prompts) == ref

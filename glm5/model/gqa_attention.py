@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import _place, _rows
+from .attention import SMALL_SCORES, _place, _rows
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope
 from .masks import MaskSpec
@@ -83,10 +83,29 @@ class GQAttention(nn.Module):
         return self.o_proj(out.flatten(-2))[None]
 
     def _attend_group(self, g: AttnGroup, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One group's queries (rows of q [N, H, D]) over its sequences' cached [k | v] rows -> [B, T, H, D]."""
+        """One group's queries (rows of q [N, H, D]) over its sequences' cached [k | v] rows -> [B, T, H, D].
+
+        The keys and values are gathered head by head straight into [B, G, S, D] (a cache row is G key
+        heads then G value heads of D values). Small score tensors (decode steps, short chunks) then go
+        through two batched products with the query heads grouped by their key/value head ([B, G, r*T, D],
+        r = H / G) and the group's additive mask added in place: no K/V repeat, no mask conversion per
+        call; on CPU 2x cheaper than SDPA's flash kernel for a 64-sequence decode step (bench/engine.py
+        --arch glm4_moe). Larger ones run SDPA under the boolean mask."""
         B, S = g.key_slots.shape
-        kv = rows.index_select(0, g.key_slots.reshape(-1)).view(B, S, 2, self.n_kv, self.head_dim).to(q.dtype)
-        k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, G, S, D]
-        o = F.scaled_dot_product_attention(_rows(g, q).transpose(1, 2), k, v, attn_mask=g.allowed[:, None],
-                                           scale=self.scale, enable_gqa=True)  # [B, H, T, D]
-        return o.transpose(1, 2)
+        G, D, H = self.n_kv, self.head_dim, self.n_heads
+        heads = g.key_slots[:, None, :] * (2 * G) + torch.arange(G, device=rows.device)[None, :, None]  # [B, G, S]
+        flat = rows.view(-1, D)  # one row per cached head
+        k = flat.index_select(0, heads.reshape(-1)).view(B, G, S, D).to(q.dtype)
+        v = flat.index_select(0, (heads + G).reshape(-1)).view(B, G, S, D).to(q.dtype)
+        qg = _rows(g, q)  # [B, T, H, D]
+        T = qg.shape[1]
+        if B * H * T * S > SMALL_SCORES:
+            o = F.scaled_dot_product_attention(qg.transpose(1, 2), k, v, attn_mask=g.allowed[:, None],
+                                               scale=self.scale, enable_gqa=True)  # [B, H, T, D]
+            return o.transpose(1, 2)
+        r = H // G
+        qh = qg.view(B, T, G, r, D).permute(0, 2, 3, 1, 4).reshape(B, G, r * T, D)  # head h = (h // r, h % r)
+        sc = torch.matmul(qh, k.transpose(-1, -2)).float()  # [B, G, r*T, S]
+        sc.view(B, G, r, T, S).mul_(self.scale).add_(g.key_bias[:, None, None])
+        o = torch.matmul(sc.softmax(-1).to(v.dtype), v)  # [B, G, r*T, D]
+        return o.view(B, G, r, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
