@@ -256,9 +256,10 @@ class GLM5ForCausalLM(nn.Module):
         if attention_mask is None:
             return MaskSpec(causal=True, segment_ids=segment_ids)
         if attention_mask.dim() == 2:  # HF-style padding mask [B, T]: 1 = real token
-            keep = attention_mask.bool()
-            return MaskSpec(causal=True, segment_ids=segment_ids,
-                            attention_mask=keep[:, None, :].expand(B, T, T))
+            # a padding query also sees itself: its row stays finite (its output is ignored) instead of a
+            # softmax over no key, whose NaN would reach every later layer through its key and value
+            keep = attention_mask.bool()[:, None, :] | torch.eye(T, dtype=torch.bool, device=attention_mask.device)
+            return MaskSpec(causal=True, segment_ids=segment_ids, attention_mask=keep)
         return MaskSpec(causal=False, segment_ids=segment_ids, attention_mask=attention_mask.bool())
 
     def _run_layers(self, x, cos, sin, ctx: MaskSpec | PagedContext, layers=None):
