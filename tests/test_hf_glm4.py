@@ -241,3 +241,18 @@ def test_pretraining_loop_and_the_final_checkpoint(preset, tmp_path):
     x = torch.randint(2, 96, (2, 11))
     with torch.no_grad():
         assert _close(ours(x).logits, _hf(tmp_path / "final")(x).logits) <= 1e-4
+
+
+def test_indexer_training_is_refused_without_an_indexer(tmp_path):
+    from glm5.core.config import from_dict
+    from glm5.train.config import TrainConfig
+    from glm5.train.data import SyntheticData
+    from glm5.train.trainer import Trainer
+
+    small = dict(vocab_size=96, hidden_size=48, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=24,
+                 n_routed_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                 pad_token_id=0, eos_token_id=[1])
+    cfg = from_dict(TrainConfig, {"model": {"name": "glm-4.5", "overrides": small}, "dsa": {"indexer_warmup_steps": 2},
+                                  "train": {"steps": 2}, "log": {"run_dir": str(tmp_path), "progress": False}})
+    with pytest.raises(ValueError, match="dsa.indexer_warmup_steps train the DSA indexer, but model_type 'glm4_moe'"):
+        Trainer(cfg, data=SyntheticData(96, 4, 24, seed=1))
