@@ -256,3 +256,11 @@ def test_indexer_training_is_refused_without_an_indexer(tmp_path):
                                   "train": {"steps": 2}, "log": {"run_dir": str(tmp_path), "progress": False}})
     with pytest.raises(ValueError, match="dsa.indexer_warmup_steps train the DSA indexer, but model_type 'glm4_moe'"):
         Trainer(cfg, data=SyntheticData(96, 4, 24, seed=1))
+
+
+def test_prune_refuses_the_glm4_architectures():
+    from glm5.distill.prune import PruneConfig, PruneError, validate
+
+    for cfg in (GQA, LITE):
+        with pytest.raises(PruneError, match=f"model_type = '{cfg['model_type']}'"):
+            validate(PruneConfig(num_hidden_layers=2), ModelConfig.from_dict(cfg))
