@@ -2,6 +2,7 @@
 
     python bench/engine.py                 # everything, numbers as JSON lines + a markdown summary
     python bench/engine.py --quick         # smaller workload (smoke run)
+    python bench/engine.py --arch glm4_moe --only offline single   # the same sizes as GLM-4.5-style GQA
 
 Measures, in one run: offline throughput for N prompts of mixed lengths (glm5 LLMEngine vs transformers
 `generate` batched with left padding), single-stream decode tokens/s (glm5 vs transformers; also past
@@ -41,8 +42,20 @@ def record(name: str, **values) -> None:
     print(json.dumps({"bench": name, **values}), flush=True)
 
 
-def build(ckpt: str) -> GLM5ForCausalLM:
-    cfg = ModelConfig.from_preset("small")
+# `--arch`: the `small` preset's sizes in each architecture of the family (GLM-4.5-style GQA: 6 query heads,
+# 2 key/value heads of 64, half rotated, QK-norm, q/k/v bias; GLM-4.7-Flash-style: small's MLA, no indexer)
+ARCHS = {"glm_moe_dsa": {}, "glm4_moe_lite": {"model_type": "glm4_moe_lite"},
+         "glm4_moe": {"model_type": "glm4_moe", "num_key_value_heads": 2, "head_dim": 64, "use_qk_norm": True,
+                      "attention_bias": True,
+                      "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}}}
+
+
+def build(ckpt: str, arch: str = "glm_moe_dsa") -> GLM5ForCausalLM:
+    d = ModelConfig.from_preset("small").to_dict()
+    if arch != "glm_moe_dsa":
+        for key in [k for k in d if k.startswith("index") or k == "layer_types"]:
+            del d[key]
+    cfg = ModelConfig.from_dict({**d, **ARCHS[arch]})
     torch.manual_seed(0)
     model = GLM5ForCausalLM(cfg).init_weights(0).eval()
     save_pretrained(model, ckpt)
@@ -399,6 +412,7 @@ def main() -> None:
     p.add_argument("--validation", default="runs/data/tokens/validation")
     p.add_argument("--train", default="runs/data/tokens/train")
     p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--arch", choices=list(ARCHS), default="glm_moe_dsa", help="the model family member to bench")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     q = args.quick
@@ -408,7 +422,7 @@ def main() -> None:
     args.train_steps = 20 if q else 300
     args.rounds = 1 if q else 5
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
-    model = build(args.ckpt)
+    model = build(args.ckpt, args.arch)
     only = set(args.only or ["kv", "tiny32", "sessions", "single", "long", "offline", "int8", "offload", "bandwidth"])
     hf = hf_model(args.ckpt) if only & {"single", "long", "offline"} else None
     if "kv" in only:

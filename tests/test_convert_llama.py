@@ -260,7 +260,7 @@ def test_cli_user_mistakes_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     for args, message in (([str(tmp_path / "llama"), out, "--experts", "2"], "--experts: only with --from-llama"),
                           ([str(tmp_path / "llama"), out], "a 'llama' checkpoint, not GLM-5: convert it with "
                                                            "--from-llama"),
-                          ([str(tmp_path / "qwen3"), out], "'qwen3' is not a GLM-5 checkpoint"),
+                          ([str(tmp_path / "qwen3"), out], "'qwen3' is not a GLM checkpoint"),
                           ([str(tmp_path / "missing"), out], "No such file or directory")):
         assert main(["convert", *args]) == 2, args
         err = capsys.readouterr().err

@@ -159,3 +159,19 @@ def test_rmsnorm_backward_matches_autograd_formula():
     x64 = torch.randn(2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
     w64 = torch.rand(6, generator=g, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(lambda a, b: _RMSNormFn.apply(a, b, 1e-5), (x64, w64))
+
+
+@pytest.mark.parametrize("corner", ["sparse_topk", "groups_bias"])
+def test_left_padded_batch_matches_transformers(corner, tmp_path):
+    """An HF-style [B, T] padding mask: the real tokens' logits equal transformers' (padding rows stay
+    finite, so no NaN reaches later layers through their keys)."""
+    ours = tiny_model(seed=5, bias_std=0.2, **CORNERS[corner])
+    save_pretrained(ours, tmp_path)
+    hf = _hf(tmp_path)
+    x = torch.randint(2, 512, (3, 21))
+    mask = torch.ones(3, 21, dtype=torch.long)
+    mask[0, :7], mask[2, :2] = 0, 0
+    with torch.no_grad():
+        a, b = ours(x, attention_mask=mask).logits, hf(x, attention_mask=mask).logits
+    assert torch.isfinite(a).all()
+    assert (a[mask.bool()] - b[mask.bool()]).abs().max() <= 1e-4

@@ -85,9 +85,10 @@ def convert_glm5(args: argparse.Namespace) -> dict:
 
 
 def _check_glm5_source(src: Path) -> None:
-    """GLM-5 mode reads any config.json as GLM-5's (unknown keys kept): refuse another architecture's."""
+    """GLM mode reads the config.json of the GLM family (GLM-5, GLM-4.5/4.6/4.7, GLM-4.7-Flash; unknown
+    keys kept): refuse another architecture's."""
     from glm5.convert.llama import REFUSED, SUPPORTED, ConversionError  # noqa: PLC0415
-    from glm5.model.config import EXT_IDENTITY, HF_IDENTITY  # noqa: PLC0415
+    from glm5.model.config import MODEL_TYPES  # noqa: PLC0415
 
     try:
         model_type = json.loads((src / "config.json").read_text()).get("model_type")
@@ -95,9 +96,10 @@ def _check_glm5_source(src: Path) -> None:
         return  # convert_checkpoint names the problem
     if model_type in SUPPORTED:
         raise ConversionError(f"{src}: a {model_type!r} checkpoint, not GLM-5: convert it with --from-llama")
-    if model_type not in (None, HF_IDENTITY[0], EXT_IDENTITY[0]):
+    if model_type is not None and model_type not in MODEL_TYPES:
         hint = f" ({REFUSED[model_type]} cannot be embedded exactly)" if model_type in REFUSED else ""
-        raise ConversionError(f"{src}: model_type {model_type!r} is not a GLM-5 checkpoint ({HF_IDENTITY[0]}){hint}")
+        raise ConversionError(f"{src}: model_type {model_type!r} is not a GLM checkpoint (supported: "
+                              f"{list(MODEL_TYPES)}){hint}")
 
 
 def convert_from_llama(args: argparse.Namespace) -> dict:

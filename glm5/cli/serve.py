@@ -1,7 +1,8 @@
 """`glm5 serve`: the OpenAI-compatible server.
 
     glm5 serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--admin-key KEY]
-               [--lora NAME=DIR ...] [--max-loras N] [--config serve.toml] [--engine.max_num_seqs=64 |
+               [--lora NAME=DIR ...] [--max-loras N] [--tool-call-parser auto|glm45|glm47]
+               [--config serve.toml] [--engine.max_num_seqs=64 |
                --max_num_seqs=64] [--server.key=value]
                [--ocr [--ocr-model CKPT] [--ocr-rounds N]]   # POST /v1/ocr and image_url chat parts
 
@@ -36,6 +37,9 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     p.add_argument("--api-key", help="require this key on /v1/* as Bearer or x-api-key (or set GLM5_API_KEY)")
     p.add_argument("--admin-key", help="enable /admin/* with this Bearer key (or set GLM5_ADMIN_KEY)")
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
+    p.add_argument("--tool-call-parser", choices=["auto", "glm45", "glm47", ""],
+                   help="tool-call layout: glm45 (GLM-4.5/4.6, one <arg_key>/<arg_value> per line), glm47 "
+                        "(GLM-4.7/5, compact); default auto: from the checkpoint's chat template / model_type")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                    help="serve a PEFT LoRA adapter as model NAME (repeatable; see docs/finetune.md)")
     args, rest = p.parse_known_args(argv)
@@ -56,6 +60,7 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     if args.lora:
         engine_d["lora_modules"] = {**engine_d.get("lora_modules", {}), **_lora_pairs(args.lora)}
     for key, value in (("host", args.host), ("port", args.port), ("served_model_name", args.served_model_name),
+                       ("tool_parser", args.tool_call_parser),
                        ("api_key", args.api_key or os.environ.get("GLM5_API_KEY")),
                        ("admin_key", args.admin_key or os.environ.get("GLM5_ADMIN_KEY"))):
         if value is not None:

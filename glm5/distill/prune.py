@@ -83,6 +83,9 @@ def _need(ok: bool, key: str, value, why: str) -> None:
 
 def validate(spec: PruneConfig, cfg: ModelConfig) -> None:
     """Refuse a spec the checkpoint cannot take, before anything is computed (names the parameter)."""
+    _need(cfg.attention_kind == "dsa", "model_type", cfg.model_type,
+          "glm5 prune slices GLM-5's MLA and indexer tensors; only glm_moe_dsa / glm5_ext checkpoints")
+
     def bounded(key: str, old: int, low: int = 1):
         v = getattr(spec, key)
         if v is not None:

@@ -83,6 +83,7 @@ def apply_prefix(model: nn.Module, num_tokens: int, freeze: bool = True) -> nn.M
     """Give every decoder layer (MTP excluded) a trainable prefix of `num_tokens` entries (in place)."""
     if has_prefix(model):
         raise ValueError("the model already has a prefix")
+    _require_mla(model)
     if freeze:
         model.requires_grad_(False)
     cfg = model.config
@@ -102,16 +103,24 @@ def has_prefix(model: nn.Module) -> bool:
 
 def remove_prefix(model: nn.Module) -> nn.Module:
     for attn in _attentions(model):
-        if isinstance(attn, PrefixMLAttention):
-            del attn.prefix
-            attn.__class__ = MLAttention
+        if not isinstance(attn, PrefixMLAttention):  # (GQA layers never have one)
+            continue
+        del attn.prefix
+        attn.__class__ = MLAttention
         if isinstance(attn.indexer, PrefixIndexer):
             del attn.indexer.prefix_key
             attn.indexer.__class__ = Indexer
     return model
 
 
+def _require_mla(model: nn.Module) -> None:
+    if model.config.attention_kind == "gqa":
+        raise ValueError(f"a latent prefix lives in MLA's latent cache; model_type {model.config.model_type!r} has "
+                         "grouped-query attention (use LoRA)")
+
+
 def _set_classes(model: nn.Module, attn_cls: type, indexer_cls: type) -> None:
+    _require_mla(model)
     for attn in _attentions(model):
         attn.__class__ = attn_cls
         if attn.indexer is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glm5.model.attention import MLAttention
 from glm5.model.layers import RMSNorm, SwiGLU
 from glm5.model.moe import Experts, MoE, Router
 from glm5.model.paged import AttnGroup, PagedContext
@@ -154,8 +155,8 @@ class NativeLayerKernel:
         g = meta.groups[0]
         att = layer.self_attn
         T = g.q_index.shape[1]
-        if not g.is_identity or T > LAYER_MAX_QUERIES:
-            return None
+        if not isinstance(att, MLAttention) or not g.is_identity or T > LAYER_MAX_QUERIES:
+            return None  # (the native decode layer is MLA's; GQA layers run their modules)
         topk, sel_in = 0, None
         if att.needs_selection(g.num_keys):  # DSA top-k: the layer's own indexer, or the previous layer's keys
             if att.cfg.sparse_attention != "dsa":

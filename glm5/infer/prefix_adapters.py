@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from glm5.model.config import ModelConfig
 from glm5.model.kv_cache import LatentKVCache
 from glm5.model.peft_adapter import read_prefix
 
@@ -39,7 +40,8 @@ class PrefixAdapter:
 
 
 class PrefixAdapters:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, cache: LatentKVCache, model_config):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, cache: LatentKVCache,
+                 model_config: ModelConfig):
         self.config, self.block_manager, self.cache, self.model_config = config, block_manager, cache, model_config
         self.loaded: dict[str, PrefixAdapter] = {}
         self._loads = 0
@@ -51,6 +53,9 @@ class PrefixAdapters:
             raise ValueError("prefix adapters are served from the prefix cache: enable_prefix_caching must be on")
         if c.speculative_num_tokens > 0:
             raise ValueError("prefix adapters carry no MTP-layer cache entries: turn speculative decoding off")
+        if self.model_config.attention_kind == "gqa":
+            raise ValueError(f"{path}: a latent prefix is MLA cache rows; this model_type "
+                             f"{self.model_config.model_type!r} caches GQA keys and values (use LoRA)")
         P, tensors = read_prefix(self.model_config, path)
         if P % c.block_size:
             raise ValueError(f"{path}: num_virtual_tokens = {P} is not a multiple of the engine's block_size "

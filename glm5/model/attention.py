@@ -128,6 +128,8 @@ class MLAttention(nn.Module):
 
     def needs_selection(self, num_keys: int) -> bool:
         """Whether attention over `num_keys` keys selects keys (else every allowed key is attended)."""
+        if self.cfg.attention_kind != "dsa":  # glm4_moe_lite: MLA without the indexer, always dense
+            return False
         if self.cfg.sparse_attention == "window":
             return True
         return self.cfg.index_topk < num_keys

@@ -1,4 +1,9 @@
-"""`ModelConfig`: the HF GLM-5 (`glm_moe_dsa`) `config.json`, as a typed dataclass.
+"""`ModelConfig`: the HF `config.json` of the GLM MoE family, as a typed dataclass.
+
+One config for three architectures that share everything but the attention (`model_type` selects):
+`glm_moe_dsa` (GLM-5: MLA + DSA indexer), `glm4_moe_lite` (GLM-4.7-Flash: MLA, no indexer) and
+`glm4_moe` (GLM-4.5/4.6/4.7: GQA with partial rotary, optional QK-norm, q/k/v bias). Any other
+`model_type` is refused naming it and the supported list.
 
 Field names are the HF keys, so loading a checkpoint is a field-filtered dict and parity tests need no
 translation table. Keys we do not model (legacy `ep_size`, `pretraining_tp`, `transformers_version`,
@@ -29,6 +34,9 @@ class ModelConfigError(ValueError):
 
 HF_IDENTITY = ("glm_moe_dsa", ["GlmMoeDsaForCausalLM"])  # transformers' GLM-5: computes the same logits
 EXT_IDENTITY = ("glm5_ext", ["Glm5ExtForCausalLM"])  # glm5-only options on: no transformers class exists
+# model_type -> (transformers architecture, attention kind): "dsa" = MLA + DSA indexer, "mla" = MLA, "gqa"
+MODEL_TYPES = {"glm_moe_dsa": ("GlmMoeDsaForCausalLM", "dsa"), "glm5_ext": ("Glm5ExtForCausalLM", "dsa"),
+               "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", "mla"), "glm4_moe": ("Glm4MoeForCausalLM", "gqa")}
 
 
 @dataclass(kw_only=True)
@@ -51,8 +59,11 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 256
     qk_head_dim: int = 256  # derived: nope + rope
-    head_dim: int = 64  # derived: = qk_rope_head_dim (what the rotary embedding reads)
-    attention_bias: bool = False
+    # MLA: derived = qk_rope_head_dim (what the rotary embedding reads); GQA: the per-head width
+    # (default hidden_size // num_attention_heads)
+    head_dim: int | None = None
+    attention_bias: bool = False  # MLA: q_a / kv_a / o_proj biases; GQA: q / k / v biases (o_proj has none)
+    use_qk_norm: bool = False  # GQA: per-head RMSNorm on queries and keys before RoPE
     attention_dropout: float = 0.0
     rope_parameters: dict = field(default_factory=lambda: {"rope_theta": 1e6, "rope_type": "default"})
     rope_interleave: bool = True  # GPT-J pairs (x[2i], x[2i+1]) in MLA; False = half-split (NeoX)
@@ -109,16 +120,34 @@ class ModelConfig:
 
     def __post_init__(self):
         self._check_types()
-        if self.model_type in (HF_IDENTITY[0], EXT_IDENTITY[0]):  # a foreign model_type is left as it is
+        if self.model_type not in MODEL_TYPES:
+            raise ModelConfigError(f"model_type {self.model_type!r} is not supported; supported: {list(MODEL_TYPES)}")
+        if self.attention_kind == "dsa":
             self.model_type, self.architectures = EXT_IDENTITY if self.non_hf_options() else HF_IDENTITY
-            self.architectures = list(self.architectures)
+        elif self.non_hf_options():
+            raise ModelConfigError(f"glm5-only options {self.non_hf_options()} cannot be used with model_type "
+                                   f"{self.model_type!r} (transformers' class would compute other logits)")
+        self.architectures = [MODEL_TYPES[self.model_type][0]]
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        self.head_dim = self.qk_rope_head_dim
+        if self.attention_kind == "gqa":
+            self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+            if isinstance(self.rope_parameters, dict):  # transformers' Glm4MoeConfig default
+                self.rope_parameters = {**self.rope_parameters}
+                self.rope_parameters.setdefault("partial_rotary_factor", 0.5)
+        else:
+            self.head_dim = self.qk_rope_head_dim
         if self.indexer_types is None:
             self.indexer_types = _derive_indexer_types(self)
+        n = self.num_hidden_layers
+        n_dense = min(self.first_k_dense_replace, n)
+        dense_first = ["dense"] * n_dense + ["sparse"] * (n - n_dense)
+        if self.model_type == "glm4_moe_lite" and self.mlp_layer_types is None:
+            self.mlp_layer_types = ["dense"] + ["sparse"] * (n - 1)  # transformers' rule for glm4_moe_lite
         if self.mlp_layer_types is None:
-            n_dense = min(self.first_k_dense_replace, self.num_hidden_layers)
-            self.mlp_layer_types = ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense)
+            self.mlp_layer_types = dense_first
+        if self.attention_kind == "gqa" and self.mlp_layer_types != dense_first:
+            raise ModelConfigError(f"config key 'mlp_layer_types' = {self.mlp_layer_types!r}: glm4_moe has dense "
+                                   f"layers below first_k_dense_replace={self.first_k_dense_replace}, MoE after")
         if self.layer_types is None:
             self.layer_types = ["indexed_attention"] * self.num_hidden_layers
         if self.block_position_embedding and self.max_block_positions is None:
@@ -152,6 +181,18 @@ class ModelConfig:
         need(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
              "must be a positive even number")
         need(self.index_head_dim >= self.qk_rope_head_dim, "index_head_dim", "must be >= qk_rope_head_dim")
+        prf = self.rope_parameters.get("partial_rotary_factor", 1.0) if isinstance(self.rope_parameters, dict) else 1
+        if self.attention_kind == "gqa":
+            need(isinstance(self.head_dim, int) and not isinstance(self.head_dim, bool) and self.head_dim > 0,
+                 "head_dim", "must be a positive integer")
+            need(self.num_key_value_heads > 0 and self.num_attention_heads % self.num_key_value_heads == 0,
+                 "num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
+            need(isinstance(prf, (int, float)) and 0 < prf <= 1 and self.rotary_dim % 2 == 0, "rope_parameters",
+                 f"partial_rotary_factor = {prf!r} must be in (0, 1] and give an even rotary width "
+                 f"(head_dim * factor = {self.head_dim * prf if isinstance(prf, (int, float)) else '?'})")
+        else:
+            need(prf == 1.0, "rope_parameters", "MLA rotates the whole qk_rope_head_dim: partial_rotary_factor "
+                 "must be 1.0")
         need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
              f"cannot exceed n_routed_experts={self.n_routed_experts}")
         need(self.n_routed_experts % self.n_group == 0, "n_group", "must divide n_routed_experts")
@@ -192,12 +233,12 @@ class ModelConfig:
         """`longrope` as a way to set each rotary pair's frequency (a converted Llama's shared rope key):
         factors that never change with the position and no cos/sin scaling, so every position computes
         the same angles in glm5 and in transformers."""
-        half = self.qk_rope_head_dim // 2
+        half = self.rotary_dim // 2
         for key in ("short_factor", "long_factor"):
             f = rp.get(key)
             need(isinstance(f, list) and len(f) == half and all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in f), "rope_parameters",
-                f"longrope needs '{key}': a list of qk_rope_head_dim / 2 = {half} positive numbers")
+                f"longrope needs '{key}': a list of rotary width / 2 = {half} positive numbers")
         orig = rp.get("original_max_position_embeddings")
         need(isinstance(orig, int) and orig > 0, "rope_parameters",
              "longrope needs 'original_max_position_embeddings' (a positive integer)")
@@ -219,6 +260,8 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         if "rope_parameters" not in d and "rope_theta" in d:  # legacy top-level key
             d["rope_parameters"] = {"rope_theta": d["rope_theta"], "rope_type": "default"}
+        if "partial_rotary_factor" in d and isinstance(d.get("rope_parameters"), dict):  # legacy top-level key
+            d["rope_parameters"] = {"partial_rotary_factor": d.pop("partial_rotary_factor"), **d["rope_parameters"]}
         if "torch_dtype" in d and "dtype" not in d:
             d["dtype"] = d.pop("torch_dtype")
         known = {k: v for k, v in d.items() if k in names}
@@ -228,8 +271,11 @@ class ModelConfig:
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict:
+        """config.json: the keys of this model_type's transformers config (other architectures' keys left out)."""
+        drop = _NOT_WRITTEN[self.attention_kind]
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "extra" and (getattr(self, f.name) is not None or f.name in _KEEP_NULL)}
+               if f.name != "extra" and f.name not in drop
+               and (getattr(self, f.name) is not None or f.name in _KEEP_NULL)}
         out.update(self.extra)
         return json.loads(json.dumps(out))  # deep copy, JSON types only
 
@@ -285,15 +331,28 @@ class ModelConfig:
         return ModelConfig.from_dict(d)
 
     def non_hf_options(self) -> list[str]:
-        """Keys set to values that transformers' `glm_moe_dsa` would ignore, computing other logits.
-        (`expert_dropout` acts in training only, so inference matches and it is not listed.)"""
+        """Keys set to values that transformers' class for this model_type would ignore, computing other
+        logits. (`expert_dropout` acts in training only, so inference matches and it is not listed.)"""
         differs = {"scoring_func": self.scoring_func != "sigmoid", "router_temperature": self.router_temperature != 1.0,
                    "moe_capacity_factor": self.moe_capacity_factor is not None, "moe_type": self.moe_type != "topk",
                    "sparse_attention": self.sparse_attention != "dsa",
-                   "block_position_embedding": self.block_position_embedding,
-                   "rope_interleave": not self.rope_interleave,  # transformers always interleaves
-                   "indexer_rope_interleave": not self.indexer_rope_interleave}
+                   "block_position_embedding": self.block_position_embedding}
+        if self.attention_kind == "dsa":  # glm4_moe_lite honours rope_interleave; glm4_moe has no such key
+            differs.update({"rope_interleave": not self.rope_interleave,  # transformers' GLM-5 always interleaves
+                            "indexer_rope_interleave": not self.indexer_rope_interleave})
         return [key for key, on in differs.items() if on]
+
+    @property
+    def attention_kind(self) -> str:
+        """"dsa" (MLA + DSA indexer: GLM-5), "mla" (GLM-4.7-Flash) or "gqa" (GLM-4.5/4.6/4.7)."""
+        return MODEL_TYPES[self.model_type][1]
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels each query/key head rotates: MLA's qk_rope_head_dim, GQA's head_dim * partial_rotary_factor."""
+        if self.attention_kind == "gqa":
+            return int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
+        return self.qk_rope_head_dim
 
     # --- convenience -------------------------------------------------------------------------------
     @property
@@ -309,10 +368,10 @@ class ModelConfig:
         return None
 
     def rope_inv_freq(self, device=None):
-        """The rotary inverse frequencies [qk_rope_head_dim / 2], fp32, as transformers computes them."""
+        """The rotary inverse frequencies [rotary_dim / 2], fp32, as transformers computes them."""
         from .layers import rope_inv_freq
 
-        return rope_inv_freq(self.qk_rope_head_dim, self.rope_theta, device, self.rope_factors)
+        return rope_inv_freq(self.rotary_dim, self.rope_theta, device, self.rope_factors)
 
     @property
     def moe_layers(self) -> list[int]:
@@ -322,6 +381,19 @@ class ModelConfig:
 # Optional keys written as null when unset; every other unset optional key is left out of config.json
 # (transformers' GlmMoeDsaConfig, for one, cannot take `index_topk_freq: null`).
 _KEEP_NULL = {"pad_token_id", "bos_token_id", "eos_token_id"}
+
+# Keys each attention kind leaves out of config.json: the other architectures' (transformers validates some,
+# e.g. `layer_types`) and the glm5-only options, which only `glm_moe_dsa` / `glm5_ext` carry.
+_DSA_KEYS = {"index_topk", "index_n_heads", "index_head_dim", "indexer_rope_interleave", "index_topk_freq",
+             "index_skip_topk_offset", "index_topk_pattern", "indexer_types", "index_share_for_mtp_iteration",
+             "layer_types"}
+_MLA_KEYS = {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
+             "rope_interleave"}
+_GLM5_OPTIONS = {"router_temperature", "moe_capacity_factor", "expert_dropout", "moe_type", "sparse_attention",
+                 "window_size", "window_global_every", "window_routed_blocks", "window_block_size",
+                 "block_position_embedding", "max_block_positions"}
+_NOT_WRITTEN = {"dsa": {"use_qk_norm"}, "mla": _DSA_KEYS | _GLM5_OPTIONS | {"use_qk_norm"},
+                "gqa": _DSA_KEYS | _MLA_KEYS | _GLM5_OPTIONS | {"mlp_layer_types"}}
 
 
 def _derive_indexer_types(cfg: ModelConfig) -> list[str]:

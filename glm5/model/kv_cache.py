@@ -1,17 +1,20 @@
 """`LatentKVCache`: the paged cache tensors that the model's paged forward reads and writes.
 
-Per cache layer and token: the MLA latent `c_kv` [kv_lora_rank] and the shared rotated rope key
-[qk_rope_head_dim] (one row [R+P]), the DSA indexer key [index_head_dim] on layers with their own
-("full") indexer, and, only when the config has a capacity factor, the token's routed expert ids [A]
-on MoE layers (the per-sequence capacity rule counts earlier assignments; see moe.capacity_keep).
-Never the per-head K/V a non-absorbed MLA would expand to. Cache layer i is model layer i; MTP layers
-(index num_hidden_layers + j) get cache layers only when the cache is built `with_mtp`.
+Per cache layer and token one row: for MLA (`glm_moe_dsa`, `glm4_moe_lite`) the latent `c_kv`
+[kv_lora_rank] and the shared rotated rope key [qk_rope_head_dim] ([R+P]); for GQA (`glm4_moe`) the
+rotated keys and the values of the G key/value heads ([2*G*Dh], keys first). Beside it the DSA indexer
+key [index_head_dim] on layers with their own ("full") indexer, and, only when the config has a capacity
+factor, the token's routed expert ids [A] on MoE layers (the per-sequence capacity rule counts earlier
+assignments; see moe.capacity_keep). MLA never stores the per-head K/V it would expand to. Cache layer i
+is model layer i; MTP layers (index num_hidden_layers + j) get cache layers only when the cache is built
+`with_mtp`.
 
 Slots are rows of a flat axis: slot = block_id * block_size + offset. Block ids come from the engine's
 block manager; this file owns only the tensors and their layout (sizing from a memory budget is in
 glm5/infer/kv_cache.py).
 
-Dims: S slots, R kv_lora_rank, P qk_rope_head_dim, D index_head_dim, A experts per token.
+Dims: S slots, R kv_lora_rank, P qk_rope_head_dim, G key/value heads, Dh GQA head dim, D index_head_dim,
+A experts per token.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ def _elem(dtype: torch.dtype) -> int:
 
 def cache_layers(cfg: ModelConfig, with_mtp: bool) -> list[bool]:
     """One entry per cache layer (main layers, then MTP layers): True if it stores indexer keys."""
-    full = [t == "full" for t in cfg.indexer_types]
-    return full + ([True] * cfg.num_nextn_predict_layers if with_mtp else [])
+    dsa = cfg.attention_kind == "dsa"
+    full = [dsa and t == "full" for t in cfg.indexer_types]
+    return full + ([dsa] * cfg.num_nextn_predict_layers if with_mtp else [])
+
+
+def row_width(cfg: ModelConfig) -> int:
+    """Values one token's attention row holds per cache layer: MLA [c_kv | k_rope], GQA [k | v]."""
+    if cfg.attention_kind == "gqa":
+        return 2 * cfg.num_key_value_heads * cfg.head_dim
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
 
 
 def moe_cache_layers(cfg: ModelConfig, with_mtp: bool) -> list[bool]:
@@ -40,15 +51,17 @@ def moe_cache_layers(cfg: ModelConfig, with_mtp: bool) -> list[bool]:
 def selection_possible(cfg: ModelConfig, max_keys: int) -> bool:
     """Whether any attention layer can select keys when a sequence holds at most `max_keys` keys: the
     window pattern always selects; DSA top-k only past index_topk keys (below it every key is attended,
-    so indexer keys are never read)."""
+    so indexer keys are never read). Architectures without the indexer never select."""
+    if cfg.attention_kind != "dsa":
+        return False
     return cfg.sparse_attention == "window" or cfg.index_topk < max_keys
 
 
 def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32, with_mtp: bool = False) -> int:
-    """KV bytes one token occupies across all cache layers: latent + rope key (+ indexer key)
+    """KV bytes one token occupies across all cache layers: its attention row (+ indexer key)
     (+ int32 routed expert ids per MoE layer under a capacity factor)."""
     e = _elem(dtype)
-    per = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    per = row_width(cfg)
     total = sum((per + (cfg.index_head_dim if full else 0)) * e for full in cache_layers(cfg, with_mtp))
     if cfg.moe_capacity_factor is not None:
         total += 4 * cfg.num_experts_per_tok * sum(moe_cache_layers(cfg, with_mtp))
@@ -56,15 +69,16 @@ def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32, with_m
 
 
 def expanded_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.float32, with_mtp: bool = False) -> int:
-    """What a per-head K/V cache would take: K [H, E+P] and V [H, V] per layer (+ the same indexer key)."""
+    """What a per-head K/V cache would take: K [H, E+P] and V [H, V] per layer (+ the same indexer key);
+    for GQA that is what the cache holds."""
     e = _elem(dtype)
-    kv = cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    kv = row_width(cfg) if cfg.attention_kind == "gqa" else cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     return sum((kv + (cfg.index_head_dim if full else 0)) * e for full in cache_layers(cfg, with_mtp))
 
 
 class LatentKVCache:
-    """Per cache layer: `latent[l]` [S, R+P] (c_kv | rotated rope key), `index_k[l]` [S, D] or None,
-    `routes[l]` [S, A] int32 or None (capacity factor only)."""
+    """Per cache layer: `latent[l]` [S, row_width] (MLA: c_kv | rotated rope key; GQA: keys | values),
+    `index_k[l]` [S, D] or None, `routes[l]` [S, A] int32 or None (capacity factor only)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", with_mtp: bool = False, index_keys: bool = True):
@@ -74,7 +88,7 @@ class LatentKVCache:
         self.dtype, self.with_mtp = dtype, with_mtp
         self.kv_rank = cfg.kv_lora_rank
         num_slots = num_blocks * block_size
-        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        width = row_width(cfg)
         self.latent: list[torch.Tensor] = []
         self.index_k: list[torch.Tensor | None] = []
         self.routes: list[torch.Tensor | None] = []
@@ -108,6 +122,10 @@ class LatentKVCache:
         lat.index_copy_(0, slots, torch.cat([c_kv, k_rope], dim=-1).to(lat.dtype))  # [N, R+P] rows
         if index_k is not None and self.index_k[layer] is not None:
             self.index_k[layer].index_copy_(0, slots, index_k.to(self.dtype))
+
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """GQA: slots [N] long; rotated keys k and values v [N, G*Dh] -> rows [k | v]."""
+        self.write(layer, slots, k, v)
 
     def gather_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows for slots of any shape [...] -> [..., R+P]."""

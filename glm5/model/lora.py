@@ -31,8 +31,9 @@ from .moe import Experts
 # Target groups of `LoraConfig.targets`; each entry is a name suffix (PEFT's list matching:
 # the module/parameter name equals it or ends with "." + it).
 TARGET_GROUPS: dict[str, tuple[str, ...]] = {
+    # MLA's projections (glm_moe_dsa, glm4_moe_lite) and GQA's (glm4_moe): a group adapts what the model has
     "attn": ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
-             "self_attn.kv_b_proj", "self_attn.o_proj"),
+             "self_attn.kv_b_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
     "indexer": ("indexer.wq_b", "indexer.wk", "indexer.weights_proj"),
     "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
             "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"),
@@ -188,10 +189,10 @@ def _matches(name: str, suffix: str) -> bool:
 
 
 def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[Target]:
-    """The tensors `cfg` adapts, in model order; an entry of `cfg.targets` that matches nothing raises."""
-    suffixes = []
-    for t in cfg.targets:
-        suffixes.extend(TARGET_GROUPS.get(t, (t,)))
+    """The tensors `cfg` adapts, in model order; an entry of `cfg.targets` that matches nothing raises
+    (a name suffix that matches no module, or a group none of whose members the model has)."""
+    groups = {t: TARGET_GROUPS.get(t, (t,)) for t in cfg.targets}
+    suffixes = [s for members in groups.values() for s in members]
     linears, experts = candidates(model)
     layers = set(cfg.layers)
     found, used = [], set()
@@ -204,7 +205,7 @@ def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[Target]:
         if layers and (layer is None or layer not in layers):
             continue
         found.append(Target(mod_name, param, cfg.r, cfg.alpha))
-    unused = [s for s in suffixes if s not in used]
+    unused = [t for t, members in groups.items() if not used.intersection(members)]
     if unused:
         raise ValueError(f"lora.targets: {unused} match no module or expert parameter of this model "
                          f"(groups: {sorted(TARGET_GROUPS)})")

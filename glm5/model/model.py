@@ -21,6 +21,7 @@ from torch import nn
 
 from .attention import MLAttention
 from .config import ModelConfig
+from .gqa_attention import GQAttention
 from .generation_config import GenerationConfig
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .kv_cache import LatentKVCache
@@ -42,11 +43,19 @@ class ModelOutput:
         return (self.logits, self.hidden_states, self.mtp_logits)[i]
 
 
+def build_attention(cfg: ModelConfig, layer_idx: int, has_indexer: bool) -> MLAttention | GQAttention:
+    """The one layer that differs across the family: MLA with the DSA indexer (`glm_moe_dsa`), MLA alone
+    (`glm4_moe_lite`), or grouped-query attention (`glm4_moe`)."""
+    if cfg.attention_kind == "gqa":
+        return GQAttention(cfg, layer_idx)
+    return MLAttention(cfg, layer_idx, has_indexer and cfg.attention_kind == "dsa")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, sparse_mlp: bool, has_indexer: bool):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = MLAttention(cfg, layer_idx, has_indexer)
+        self.self_attn = build_attention(cfg, layer_idx, has_indexer)
         self.mlp = MoE(cfg, layer_idx) if sparse_mlp else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -247,9 +256,10 @@ class GLM5ForCausalLM(nn.Module):
         if attention_mask is None:
             return MaskSpec(causal=True, segment_ids=segment_ids)
         if attention_mask.dim() == 2:  # HF-style padding mask [B, T]: 1 = real token
-            keep = attention_mask.bool()
-            return MaskSpec(causal=True, segment_ids=segment_ids,
-                            attention_mask=keep[:, None, :].expand(B, T, T))
+            # a padding query also sees itself: its row stays finite (its output is ignored) instead of a
+            # softmax over no key, whose NaN would reach every later layer through its key and value
+            keep = attention_mask.bool()[:, None, :] | torch.eye(T, dtype=torch.bool, device=attention_mask.device)
+            return MaskSpec(causal=True, segment_ids=segment_ids, attention_mask=keep)
         return MaskSpec(causal=False, segment_ids=segment_ids, attention_mask=attention_mask.bool())
 
     def _run_layers(self, x, cos, sin, ctx: MaskSpec | PagedContext, layers=None):

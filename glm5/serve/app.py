@@ -14,6 +14,7 @@ Messages API: its error shape, `x-api-key`),
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 from concurrent.futures import ThreadPoolExecutor
 import uuid
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from glm5.data.chat_template import default_chat_template
 from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
@@ -35,6 +37,7 @@ from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, Request
 from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.config import ServerConfig
 from glm5.serve.metrics import ServerMetrics
+from glm5.serve.parsers import select_tool_parser
 from glm5.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InfillRequest,
                                  LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                  TokenizeRequest, now)
@@ -184,6 +187,9 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
     if tokenizer is None:  # text in and out needs one; say so at start, not as a 500 per request
         raise ValueError(f"glm5 serve needs a tokenizer: {engine.config.model} has no tokenizer.json")
     name = config.served_model_name or model_name or Path(engine.config.model).name
+    shipped = tokenizer.chat_template if tokenizer.chat_template != default_chat_template() else None
+    config = dataclasses.replace(config, tool_parser=select_tool_parser(config.tool_parser, shipped,
+                                                                        engine.model_config.model_type))
     metrics = ServerMetrics(name)
     aengine = AsyncEngine(engine, metrics, max_waiting_requests=config.max_waiting_requests,
                           on_failure=on_engine_failure)

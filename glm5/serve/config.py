@@ -24,7 +24,10 @@ class ServerConfig:
     default_max_tokens: int = 256  # when a request gives no max_tokens (capped by the context left)
     tokenizer_workers: int = 2  # threads that render chat templates and tokenise prompts (off the event loop)
     shutdown_timeout_s: float = 10.0  # on SIGTERM: running requests get this long, then end with an error
-    tool_parser: Literal["glm47", "glm45", ""] = "glm47"  # GLM XML tool calls (both alike; "" = off)
+    # GLM XML tool calls: "glm45" (GLM-4.5/4.6: name, then one <arg_key>/<arg_value> per line), "glm47"
+    # (GLM-4.7/5: compact), "auto" = the layout the checkpoint's chat template writes (else glm45 for a
+    # glm4_moe checkpoint, glm47 otherwise), "" = off
+    tool_parser: Literal["auto", "glm47", "glm45", ""] = "auto"
     reasoning_parser: Literal["glm45", ""] = "glm45"  # `<think>` -> reasoning_content ("" = off)
     # /infill and `suffix`: "auto" = sentinel FIM (suffix first) when the tokenizer has FIM tokens, else GLM
     # blank infilling on a model trained for it; "psm" = prefix-suffix-middle order

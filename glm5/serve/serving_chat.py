@@ -24,7 +24,7 @@ from glm5.infer.sampling import SamplingParams
 from glm5.infer.structured import StructuredOutputs, glm_tool_call_tag
 from glm5.serve.common import (APIError, ServerState, as_api_error, chain, check_grammar, logprob_of, max_tokens_for,
                                sampling_params, sse, structured_spec, token_bytes, token_str, top_entries)
-from glm5.serve.parsers import GLMReasoningParser, GLMToolParser, prompt_opens_reasoning
+from glm5.serve.parsers import GLMReasoningParser, make_tool_parser, prompt_opens_reasoning
 from glm5.serve.parsers.reasoning_glm import THINK_CLOSE
 from glm5.serve.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Usage, now
 from glm5.serve.sessions import SUMMARY_REQUEST
@@ -116,7 +116,7 @@ class ChatChoice:
         self.index, self.state = index, state
         use_reasoning = bool(state.config.reasoning_parser)
         self.reasoning = GLMReasoningParser(reasoning_open) if use_reasoning else None
-        self.tools = GLMToolParser(tools) if tools is not None else None
+        self.tools = make_tool_parser(state.config.tool_parser, tools) if tools is not None else None
         self.sent_text, self.sent_tokens = "", 0
         self.reasoning_text, self.content_text = "", ""
         self.logprobs: list[dict] = []

@@ -119,6 +119,9 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse, before any compute, a model that `tensor_parallel = tp` cannot split evenly."""
     if tp <= 1:
         return
+    if cfg.attention_kind == "gqa":
+        raise ValueError(f"parallel.tensor_parallel={tp}: the tensor-parallel plan splits MLA heads; model_type "
+                         f"{cfg.model_type!r} has grouped-query attention (use data / expert / pipeline parallel)")
     sizes = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
              "moe_intermediate_size * n_shared_experts": cfg.moe_intermediate_size * cfg.n_shared_experts,
              "vocab_size": cfg.vocab_size}

@@ -143,15 +143,20 @@ def _layer_activation_elems(cfg: ModelConfig, lay: Layout, shape: dict[str, int]
     """Elements autograd keeps for one decoder layer and one micro-batch on one rank (estimate).
 
     Attention (heads / tp): the normed input, q_a and kv_a outputs and their norms, q_b / kv_b outputs,
-    the key and query concatenations, the attention output (flash: no [s, s] scores). Dense MLP / shared
+    the key and query concatenations, the attention output (flash: no [s, s] scores); GQA: the normed
+    input, q / k / v, their QK-norm outputs, the rotated q / k and the attention output. Dense MLP / shared
     expert (width / tp): input, gate, up, activation. MoE (each TP rank routes s/tp tokens): router
     scores, the dispatched rows and the expert hidden states of top_k assignments per token."""
     T = lay.micro_batch * lay.seq_len
     tp, h = shape["tp"], cfg.hidden_size
     nh = cfg.num_attention_heads / tp
     qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    attn = T * (2 * h + 2 * cfg.q_lora_rank + 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                + nh * (qk + (cfg.qk_nope_head_dim + v) + 2 * qk + 2 * v))
+    if cfg.attention_kind == "gqa":
+        heads = (nh + 2 * cfg.num_key_value_heads / tp) * cfg.head_dim  # q, k, v widths
+        attn = T * (h + heads * (2 + cfg.use_qk_norm) + nh * cfg.head_dim)
+    else:
+        attn = T * (2 * h + 2 * cfg.q_lora_rank + 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                    + nh * (qk + (cfg.qk_nope_head_dim + v) + 2 * qk + 2 * v))
     if not moe:
         return attn + T * (h + 3 * cfg.intermediate_size / tp)
     shared = T * (h + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts / tp)

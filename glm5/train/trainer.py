@@ -94,6 +94,11 @@ def check_compatible(cfg: TrainConfig, model_cfg: ModelConfig, data_vocab: int) 
     if cfg.train.objectives.get("glm", 0) > 0 and not model_cfg.block_position_embedding:
         raise ValueError("train.objectives has 'glm' (blank infilling, 2D positions) but the model has "
                          "block_position_embedding = false: add model.overrides.block_position_embedding = true")
+    indexer_keys = [k for k, on in (("dsa.indexer_loss_coef", cfg.dsa.indexer_loss_coef > 0),
+                                     ("dsa.indexer_warmup_steps", cfg.dsa.indexer_warmup_steps > 0)) if on]
+    if indexer_keys and model_cfg.attention_kind != "dsa":
+        raise ValueError(f"{', '.join(indexer_keys)} train the DSA indexer, but model_type {model_cfg.model_type!r} "
+                         "has none (its attention is always dense): set them to 0")
 
 
 def set_threads(n: int) -> int:

@@ -1,8 +1,8 @@
-"""GLM tool-call parser (vLLM's `glm45`/`glm47`, SGLang's GLM-4.5/4.7 detectors): one incremental state
-machine for streaming and non-streaming.
+"""GLM tool-call parsers (vLLM's `glm47` and `glm45`, SGLang's GLM-4.7/4.5 detectors): one incremental state
+machine for streaming and non-streaming, in two layouts.
 
-Format: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>` (GLM-4.7/5; GLM-4.5
-puts newlines between the parts, which are ignored). Rules, as the peers' parser tests assert them:
+`GLMToolParser` (glm47): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`
+(GLM-4.7/5; newlines between the parts are ignored). Rules, as the peers' parser tests assert them:
 - Keys are stripped; values keep their whitespace. Values are typed by the offered tool's JSON schema
   (`schema_types.py`): `string` parameters keep their raw text, others become JSON of an allowed type.
 - A call to a tool that was not offered is dropped whole: no call, no content, arguments never leak.
@@ -15,6 +15,15 @@ puts newlines between the parts, which are ignored). Rules, as the peers' parser
 - A call still open when the output ends (max_tokens) is not a call and not content; whatever of it
   was already streamed stays sent (both peers do the same), so the one place where a stream can
   differ from the non-streaming response is an output cut inside a call, with finish_reason "length".
+
+`GLM45ToolParser` (glm45): GLM-4.5/4.6's layout, the name alone on the call's first line, then one
+`<arg_key>`/`<arg_value>` pair per line. Its rules are vLLM's `glm45` parser's (tests/tool_parsers/
+test_glm4_moe_tool_parser.py), where they differ from the above:
+- The name is the call's first line; a call closed before its first newline is not a call.
+- Calls to any name are calls (the offered tools only type the values).
+- Content is the text before the first call, raw (`None` when blank); text after it is not content.
+  An output with no complete call is all content, exactly as generated.
+`select_tool_parser` picks the layout from the checkpoint (its chat template, else its model_type).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from glm5.data.chat_template import render
 from glm5.serve.parsers.reasoning_glm import _partial_suffix
 from glm5.serve.parsers.schema_types import (allowed_types, coerce_value, is_free_string, needs_context,
                                              single_type)
@@ -150,16 +160,17 @@ class GLMToolParser:
         self.buf, self.state = self.buf[idx + len(TOOL_OPEN):], "name"
         return True
 
+    NAME_ENDS = (KEY_OPEN, TOOL_CLOSE, "\n")  # the name ends at the first of these
+
     def _on_name(self, out: ParsedDelta) -> bool:
-        """The name ends at `<arg_key>`, `</tool_call>` or a newline after it (GLM-4.5 layout)."""
         head = self.buf.lstrip()
-        idx, _ = _find_first(head, (KEY_OPEN, TOOL_CLOSE, "\n"))
+        idx, tag = _find_first(head, self.NAME_ENDS)
         if idx < 0:
             return False
         name = head[:idx].strip()
         self.buf = head[idx:]
         schema = None if self.schemas is None else self.schemas.get(name)
-        if name and (self.schemas is None or schema is not None):
+        if self._accepts(name, schema, tag):
             call = ToolCall(id=self.id_factory(), name=name, arguments="")
             self._announced.append(call)
             index = len(self._announced) - 1
@@ -169,6 +180,10 @@ class GLMToolParser:
             self.call = _OpenCall(None, name, {}, True)
         self.state = "args"
         return True
+
+    def _accepts(self, name: str, schema: dict | None, end: str) -> bool:
+        """Whether a call named `name` (its name ended at `end`) is a call: offered, or any with no tool list."""
+        return bool(name) and (self.schemas is None or schema is not None)
 
     def _on_args(self, out: ParsedDelta) -> bool:
         idx, tag = _find_first(self.buf, (KEY_OPEN, TOOL_CLOSE))
@@ -289,6 +304,78 @@ class GLMToolParser:
         out.content += piece
 
 
+class GLM45ToolParser(GLMToolParser):
+    """GLM-4.5/4.6's layout with vLLM `glm45`'s rules (see the module docstring); the same interface."""
+
+    NAME_ENDS = ("\n", TOOL_CLOSE)
+
+    def __init__(self, tools: list[dict] | None = None, id_factory: Callable[[], str] = new_call_id):
+        super().__init__(tools, id_factory)
+        self._text = ""  # everything fed: an output without a complete call is all content
+        self._seen = 0  # characters of _text before the first call read so far
+        self._sent = 0  # characters of _text given out as content
+        self._in_call = False  # a `<tool_call>` was seen: nothing after it is content unless no call completes
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._text += text
+        return super().feed(text)
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if not self.tool_calls:  # no complete call: the whole output is content, as generated
+            self._give(self._text[self._sent:], out)
+        self.buf, self.state, self.call = "", "outside", None
+        return out
+
+    def _accepts(self, name: str, schema: dict | None, end: str) -> bool:
+        return bool(name) and end == "\n"
+
+    def _on_outside(self, out: ParsedDelta) -> bool:
+        moved = super()._on_outside(out)
+        self._in_call = self._in_call or moved
+        return moved
+
+    def _emit_content(self, text: str, out: ParsedDelta) -> None:
+        """Raw text before the first call; blank text is held until something else follows it."""
+        if self._in_call:
+            return
+        self._seen += len(text)  # the pieces before the first call arrive in order: _text[_seen_before:_seen]
+        if self._text[:self._seen].strip():
+            self._give(self._text[self._sent:self._seen], out)
+
+    def _give(self, piece: str, out: ParsedDelta) -> None:
+        if piece:
+            self._sent += len(piece)
+            self._content.append(piece)
+            out.content += piece
+
+
+def select_tool_parser(setting: str, chat_template: str | None, model_type: str | None) -> str:
+    """The tool-call layout to parse: `setting` unless "auto"; then the layout the checkpoint's chat
+    template writes for an assistant tool call (`chat_template`: None when the checkpoint ships none),
+    else GLM-4.5/4.6's for `glm4_moe` checkpoints and the compact GLM-4.7/5 one for the rest (GLM-4.7
+    is a glm4_moe too, and ships its template)."""
+    if setting != "auto":
+        return setting
+    if chat_template is not None:
+        call = {"type": "function", "function": {"name": "probe_tool", "arguments": {"probe_key": "v"}}}
+        try:
+            text = render(chat_template, [{"role": "user", "content": "x"},
+                                          {"role": "assistant", "content": "", "tool_calls": [call]}],
+                          tools=None, add_generation_prompt=False, enable_thinking=False)
+        except Exception:  # noqa: BLE001 (a template that cannot render this says nothing about the layout)
+            text = ""
+        head, sep, _ = text.partition("<arg_key>probe_key")
+        if sep and "<tool_call>" in head:
+            return "glm45" if "\n" in head.rsplit("<tool_call>", 1)[1] else "glm47"
+    return "glm45" if model_type == "glm4_moe" else "glm47"
+
+
+def make_tool_parser(kind: str, tools: list[dict] | None) -> GLMToolParser:
+    """The parser for layout `kind` ("glm45" | "glm47")."""
+    return GLM45ToolParser(tools) if kind == "glm45" else GLMToolParser(tools)
+
+
 def type_arguments(pairs: list[tuple[str, str]], schema: dict) -> dict[str, Any]:
     """Type all of a call's (key, raw value) pairs together. Values whose type is certain on their own
     are typed first, so a discriminator (`kind: "count"`) can pick the union branch that types its
@@ -308,9 +395,10 @@ def type_arguments(pairs: list[tuple[str, str]], schema: dict) -> dict[str, Any]
 
 
 def parse_tool_calls(output: str, tools: list[dict] | None = None,
-                     id_factory: Callable[[], str] = new_call_id) -> tuple[str | None, list[ToolCall]]:
-    """Non-streaming: `(content or None, tool calls)` for a whole model output."""
-    p = GLMToolParser(tools, id_factory)
+                     id_factory: Callable[[], str] = new_call_id, kind: str = "glm47"
+                     ) -> tuple[str | None, list[ToolCall]]:
+    """Non-streaming: `(content or None, tool calls)` for a whole model output in layout `kind`."""
+    p = (GLM45ToolParser if kind == "glm45" else GLMToolParser)(tools, id_factory)
     p.feed(output)
     p.finish()
     return p.content, p.tool_calls
