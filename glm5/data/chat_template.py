@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 
@@ -120,10 +121,37 @@ def render(source: str, messages, tools=None, add_generation_prompt: bool = True
 
 def render_with_spans(source: str, messages, tools=None, add_generation_prompt: bool = False,
                       **kwargs) -> tuple[str, list[tuple[int, int]]]:
-    """Render and return the [start, end) character spans of the `{% generation %}` blocks."""
+    """Render and return the [start, end) character spans of the `{% generation %}` blocks. A template
+    without them (most released ones: SmolLM2's, Llama's, Qwen's) gets the spans from prefix renders."""
+    if not _GENERATION_TAG.search(source):
+        return _spans_by_prefix(source, messages, tools, add_generation_prompt, **kwargs)
     tracker = _Tracker()
     for block in compile_template(source).generate(
             messages=normalize_messages(messages), tools=tools or None,
             add_generation_prompt=add_generation_prompt, _tracker=tracker, **kwargs):
         tracker.blocks.append(block)
     return "".join(tracker.blocks), tracker.spans
+
+
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _spans_by_prefix(source: str, messages, tools, add_generation_prompt: bool, **kwargs):
+    """Each assistant turn's span is what the conversation through that turn adds to the prompt that asks
+    for it (the conversation before it + the generation prompt), trailing whitespace excluded: its text
+    and the template's end-of-turn token. The template must render each such prompt as a prefix of the
+    whole conversation; where it does not (it rewrites earlier turns), the tokens cannot be told apart."""
+    msgs = normalize_messages(messages)
+    full = render(source, msgs, tools, add_generation_prompt=add_generation_prompt, **kwargs)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m.get("role") != "assistant":
+            continue
+        before = render(source, msgs[:i], tools, add_generation_prompt=True, **kwargs)
+        through = render(source, msgs[:i + 1], tools, add_generation_prompt=False, **kwargs)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ValueError(f"the chat template has no {{% generation %}} blocks and does not render the "
+                             f"conversation before messages[{i}] as a prefix of it: cannot tell which tokens "
+                             "the assistant generates (add {% generation %} blocks to the template)")
+        spans.append((len(before), len(through.rstrip())))
+    return full, spans

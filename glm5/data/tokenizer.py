@@ -167,7 +167,7 @@ class GLMTokenizer:
         for i in range(1, len(ids)):  # the turn-ending token right after a generated span
             if mask[i - 1] and not mask[i] and ids[i] in self.eos_token_ids:
                 mask[i] = 1
-        if ids and mask[-1]:
+        if ids and mask[-1] and ids[-1] not in self.eos_token_ids:  # the template ended no final turn
             ids.append(self.eos_token_id)
             mask.append(1)
         return ids, mask
