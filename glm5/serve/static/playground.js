@@ -541,7 +541,7 @@ function renderExperts(s) {
     .map((x) => [x.labels.layer, x.value]));
   const box = $("experts");
   if (!layers.size) {
-    box.replaceChildren(el("p", "muted", "No MoE layers report expert load."));
+    box.replaceChildren(el("p", "muted", "No expert load yet: it appears after the first request (on a model with MoE layers)."));
     return;
   }
   const rows = [...layers.entries()].sort((a, b) => Number(a[0]) - Number(b[0])).map(([layer, counts]) => {
