@@ -34,6 +34,7 @@ pytest.importorskip("rapidocr_onnxruntime", reason="the OCR page needs the ocr e
 from glm5.serve.app import create_app  # noqa: E402
 from glm5.serve.testing import free_port, serve_in_thread  # noqa: E402
 from tests._ocr_images import text_png  # noqa: E402
+from tests._tiny import tiny_config  # noqa: E402
 from tests.test_serve_app import TOOLS, FakeEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +184,7 @@ def test_bad_input_shows_the_api_error(page):
     page.fill("#max-tokens", "8")
     page.click("#tabs button[data-tab=infill]")
     page.click("#infill-run")
-    page.wait_for_function("document.getElementById('infill-info').textContent.length > 0")
+    page.wait_for_function("document.getElementById('infill-info').textContent.length > 0", polling=100)
     info = page.inner_text("#infill-info")  # the tiny model has no FIM tokens: the server's 400, verbatim
     assert info.startswith("400: ") and "cannot infill" in info and "fill-in-the-middle" in info
 
@@ -228,29 +229,73 @@ def test_metrics_panel_shows_expert_load_and_speculation(page, tmp_path):
     keep_screenshot(page, tmp_path, "playground-metrics.png")
 
 
-def test_tool_call_card_and_its_result_round_trip(browser, tmp_path):
-    engine = FakeEngine()  # scripted: reasoning, "Let me check.", then a get_weather call
-    app = create_app(engine, model_name="fake")
-    with serve_in_thread(app) as url:
+@pytest.fixture(scope="module")
+def fake(browser):
+    """A page on the app over the scripted engine (reasoning, "Let me check.", a get_weather call; 50 ms a
+    token), which also infills (GLM blank infilling: the script is the middle)."""
+    engine = FakeEngine(step_sleep=0.05)
+    engine.model_config = tiny_config(block_position_embedding=True, max_block_positions=256)
+    with serve_in_thread(create_app(engine, model_name="fake")) as url:
         page = browser.new_page()
+        page.bring_to_front()  # a background tab's animation frames are throttled
         page.goto(url + "/")
         page.wait_for_selector("#model option[value=fake]", state="attached")
-        assert page.locator("#ocr-tab").is_hidden()  # no --ocr: no OCR page
-        page.click("#tools-box summary")
-        page.fill("#tools", json.dumps(TOOLS))
-        send(page, "Weather in Paris?")
-        answer = last_answer(page)
-        answer.and_(page.locator("[data-state=done]")).wait_for()
-        assert answer.locator(".content").inner_text() == "Let me check."
-        assert answer.locator("details.reasoning pre").text_content() == "The user wants weather."
-        card = answer.locator(".tool-card")
-        assert card.count() == 1 and card.locator("strong").inner_text() == "get_weather"
-        assert '"city": "Paris"' in card.locator(".tool-args").inner_text()
-        assert "tool_calls" in answer.locator(".meta").inner_text()
-        keep_screenshot(page, tmp_path, "playground-tools.png")
-        card.locator(".tool-result").fill("sunny, 24 C")
-        card.locator("button").click()
-        page.locator(".msg.assistant").nth(1).and_(page.locator("[data-state=done]")).wait_for()
-        prompt = engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
-        assert "sunny, 24 C" in prompt and "get_weather" in prompt  # the call and its result went back
+        yield engine, url, page
         page.close()
+
+
+def test_tool_call_card_and_its_result_round_trip(fake, tmp_path):
+    engine, url, page = fake
+    assert page.locator("#ocr-tab").is_hidden()  # no --ocr: no OCR page
+    page.click("#tools-box summary")
+    page.fill("#tools", json.dumps(TOOLS))
+    send(page, "Weather in Paris?")
+    answer = last_answer(page)
+    answer.and_(page.locator("[data-state=done]")).wait_for()
+    assert answer.locator(".content").inner_text() == "Let me check."
+    assert answer.locator("details.reasoning pre").text_content() == "The user wants weather."
+    card = answer.locator(".tool-card")
+    assert card.count() == 1 and card.locator("strong").inner_text() == "get_weather"
+    assert '"city": "Paris"' in card.locator(".tool-args").inner_text()
+    assert "tool_calls" in answer.locator(".meta").inner_text()
+    keep_screenshot(page, tmp_path, "playground-tools.png")
+    card.locator(".tool-result").fill("sunny, 24 C")
+    card.locator("button").click()
+    page.locator(".msg.assistant").nth(1).and_(page.locator("[data-state=done]")).wait_for()
+    prompt = engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+    assert "sunny, 24 C" in prompt and "get_weather" in prompt  # the call and its result went back
+    page.click("#clear")
+    page.fill("#tools", "[{not json")
+    send(page, "again")
+    last_answer(page).and_(page.locator("[data-state=error]")).wait_for()
+    assert page.inner_text("#error").startswith("tools: not JSON")
+    page.fill("#tools", "")
+
+
+def test_stop_aborts_the_stream(fake):
+    engine, url, page = fake
+    page.click("#clear")
+    send(page, "Weather in Paris?")
+    answer = last_answer(page)
+    page.wait_for_function("window.playground.timings.firstTokenMs !== null", polling=20)  # set per answer
+    page.click("#stop")
+    answer.and_(page.locator("[data-state=stopped]")).wait_for()
+    assert answer.locator(".tool-card").count() == 0 and page.locator("#error").is_hidden()
+    deadline = time.monotonic() + 30
+    while not engine.aborted and time.monotonic() < deadline:  # the server aborts the engine request
+        time.sleep(0.05)
+    assert engine.aborted
+
+
+def test_infill_streams_the_middle(fake):
+    engine, url, page = fake
+    page.click("#tabs button[data-tab=infill]")
+    page.fill("#max-tokens", "12")
+    page.click("#infill-run")
+    page.wait_for_function("document.getElementById('infill-info').textContent.includes('tokens')", polling=100)
+    prefix, suffix = page.input_value("#infill-prefix"), page.input_value("#infill-suffix")
+    ref = httpx.post(url + "/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": 12,
+                                            "temperature": 0.7, "top_p": 1}, timeout=60).json()
+    assert page.inner_text("#infill-out mark") == ref["content"] and ref["content"]
+    assert page.inner_text("#infill-info").startswith(f"{ref['tokens_predicted']} tokens") and "format glm" in page.inner_text("#infill-info")
+    assert page.locator("#error").is_hidden()

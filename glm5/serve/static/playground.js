@@ -198,6 +198,7 @@ async function runChat() {
   const answer = {content: "", reasoning: "", calls: [], finish: null, usage: null};
   const t0 = performance.now();
   let firstToken = null;
+  state.timings.firstTokenMs = null;
   let outcome = "done";
   state.controller = new AbortController();
   setBusy(true);
@@ -208,7 +209,9 @@ async function runChat() {
       const choice = (chunk.choices || [])[0];
       if (!choice) continue;
       const delta = choice.delta || {};
-      if (delta.reasoning_content || delta.content) firstToken ??= performance.now() - t0;
+      if ((delta.reasoning_content || delta.content) && firstToken === null) {
+        firstToken = state.timings.firstTokenMs = performance.now() - t0;
+      }
       applyDelta(parts, answer, delta);
       if (choice.finish_reason) answer.finish = choice.finish_reason;
     }
@@ -227,7 +230,6 @@ async function runChat() {
   }
   parts.reasoning.open = false;
   if (answer.content) renderMarkdown(parts.content, answer.content);
-  state.timings.firstTokenMs = firstToken;
   parts.meta.textContent = answerFigures(answer, firstToken, performance.now() - t0);
   parts.bubble.dataset.state = outcome;  // the browser test waits for this
   renderToolCards(parts, answer.calls);
