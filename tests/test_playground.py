@@ -2,13 +2,18 @@
 
 `GET /` and `/static/*` serve the packaged files with their content types and need no key; every route
 the script reaches (its `ROUTES` table, the only way it calls `fetch`) exists on the app with that method;
-every element id the script looks up is in the page; the files are package data (.ci/wheel_smoke fetches
-them from a wheel install).
+every element id the script looks up is in the page; a wheel built from the tree serves them from where
+it is unpacked (importlib.resources, not repository paths; .ci/wheel_smoke also fetches them from a
+wheel install's `glm5 serve`).
 The page in a real browser against a real server: tests/test_playground_browser.py.
 """
 
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from fnmatch import fnmatch
 from importlib import resources
 from pathlib import Path
@@ -98,3 +103,46 @@ def test_package_data_covers_the_static_files():
     assert sorted(files) == ["serve/static/index.html", "serve/static/playground.css", "serve/static/playground.js"]
     for f in files:
         assert any(fnmatch(f, g) for g in globs), f"{f} is not package data: a wheel would lack it"
+
+
+# Run from the unpacked wheel, outside the repository: the playground's routes on a bare FastAPI app.
+FROM_WHEEL = """
+import glm5, sys
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from glm5.serve import playground
+assert glm5.__file__.startswith(sys.argv[1]), glm5.__file__
+app = FastAPI()
+playground.install(app)
+http = TestClient(app)
+for path in ("/", "/static/playground.js", "/static/playground.css"):
+    r = http.get(path)
+    print(path, r.status_code, r.headers["content-type"], len(r.content), sep="\\t")
+"""
+
+
+def test_a_wheel_install_serves_the_playground(tmp_path):
+    """Build a wheel from the tracked files (as .ci/wheel_smoke copies them), unpack it, serve from there."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git to list the tracked files")
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.splitlines()
+    src = tmp_path / "src"
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / f, src / f)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, cwd=tmp_path, capture_output=True)
+    site = tmp_path / "site"
+    with zipfile.ZipFile(next((tmp_path / "dist").glob("glm5-*.whl"))) as z:
+        z.extractall(site)
+    out = subprocess.run([sys.executable, "-c", FROM_WHEEL, str(site)], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split("\t") for line in out.stdout.splitlines()]
+    assert [(p, code, ctype.split(";")[0]) for p, code, ctype, _ in rows] == [
+        ("/", "200", "text/html"), ("/static/playground.js", "200", "text/javascript"),
+        ("/static/playground.css", "200", "text/css")]
+    assert [int(n) for *_, n in rows] == [len(STATIC.joinpath(n).read_bytes())
+                                          for n in ("index.html", "playground.js", "playground.css")]
