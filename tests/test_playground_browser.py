@@ -212,6 +212,10 @@ def test_ocr_upload_renders_markdown_with_confidences(page, server, tmp_path):
 
 
 def test_metrics_panel_shows_expert_load_and_speculation(page, tmp_path):
+    page.click("#tabs button[data-tab=chat]")  # one answer of its own, so the test stands alone
+    page.fill("#max-tokens", "8")
+    send(page, "Count the experts.")
+    last_answer(page).and_(page.locator("[data-state=done]")).wait_for()
     page.click("#tabs button[data-tab=metrics]")
     page.wait_for_selector(".expert-row")
     layers = page.locator(".expert-row").evaluate_all("rows => rows.map(r => r.dataset.layer)")
@@ -222,7 +226,7 @@ def test_metrics_panel_shows_expert_load_and_speculation(page, tmp_path):
     assert page.locator(".expert-row").first.locator(".expert-cell").count() == 8
     figures = dict(zip(page.locator("#metrics .card .muted").all_inner_texts(),
                        page.locator("#metrics .card .figure").all_inner_texts()))
-    assert float(figures["generated tokens"]) > 0 and float(figures["requests done"]) >= 2
+    assert float(figures["generated tokens"]) > 0 and float(figures["requests done"]) >= 1
     assert float(figures["drafts"]) > 0 and float(figures["draft tokens"]) == 2 * float(figures["drafts"])
     assert figures["acceptance rate"].endswith("%")
     assert page.locator("#spec .bar-row").count() == 2  # one bar per draft position
