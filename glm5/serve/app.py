@@ -5,7 +5,7 @@ background thread) and serves `/v1/completions`, `/v1/chat/completions`, `/infil
 completion), `/v1/models` (the base model and its loaded LoRA adapters: a request's `model` may name one),
 `/v1/responses` (OpenAI's Responses API), `/v1/messages` and `/v1/messages/count_tokens` (Anthropic's
 Messages API: its error shape, `x-api-key`),
-`/health`, `/metrics`, `/tokenize`, `/detokenize`, the expert hot-swap admin routes and vLLM's
+`/health`, `/metrics`, `/tokenize`, `/detokenize`, the web playground at `/` (playground.py), the expert hot-swap admin routes and vLLM's
 `/v1/load_lora_adapter` / `/v1/unload_lora_adapter` (admin key). Every client mistake maps to a 4xx with
 `{"error": {"message", "type", "param", "code"}}` (Anthropic's `{"type": "error", "error": {"type",
 "message"}}` under `/v1/messages`); a 500 means a server bug.
@@ -32,7 +32,7 @@ from glm5.data.tokenizer import GLMTokenizer
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
 from glm5.serve.sessions import ResponseStore, SessionStore
-from glm5.serve import admin
+from glm5.serve import admin, playground
 from glm5.serve.async_engine import AsyncEngine, EngineDead, Overloaded, RequestFailed
 from glm5.serve.common import APIError, ServerState, as_api_error
 from glm5.serve.config import ServerConfig
@@ -289,6 +289,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     _install_info_routes(app, state)
     _install_admin_routes(app, state)
+    playground.install(app)
 
 
 def _install_info_routes(app: FastAPI, state: ServerState) -> None:
