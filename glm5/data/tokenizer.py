@@ -25,13 +25,20 @@ from glm5.core.io import atomic_write_json, atomic_write_text
 from glm5.core.resources import resolve_path
 from glm5.data import chat_template as ct
 
-# GLM's special tokens, in the order of the real GLM-4.5/GLM-5 vocabulary (minus the multimodal ones).
+# GLM-5's 36 special tokens, in the order of the released vocabulary (ids 154820-154855 there): ours take
+# the last 36 ids in the same order, so that id - first_id agrees with GLM-5's for every one of them.
 SPECIAL_TOKENS = (
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+    "<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>", "<|end_of_transcription|>",
+    "<|code_prefix|>", "<|code_middle|>", "<|code_suffix|>",
     "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "/nothink", "<|begin_of_box|>", "<|end_of_box|>", "<|image|>", "<|video|>",
 )
+# GLM's code-completion tokens (CodeGeeX4's prompt; llama.cpp takes them as GLM-4.5's FIM tokens).
+CODE_TOKENS = ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>")
 # Fill-in-the-middle sentinels (a code tokenizer trained with `fim_tokens = true`; Qwen-coder's spelling).
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 # A GLM turn ends when the model emits one of these (GLM-5 generation_config: eos_token_id list).
