@@ -82,13 +82,16 @@ def check_encodable(text: str, name: str = "text") -> None:
 class GLMTokenizer:
     """A loaded tokenizer: `tokenizers.Tokenizer` + special-token ids + chat template (None: no chat)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, config: dict | None = None):
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, config: dict | None = None,
+                 model_type: str | None = None):
         self.tok = tokenizer
         self.config = dict(config or {})
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.special_tokens = {t: vocab[t] for t in (*SPECIAL_TOKENS, *FIM_TOKENS) if t in vocab}
-        # The tokenizer's own template, else GLM's default when the vocabulary has GLM's chat tokens.
-        self.chat_template = chat_template or (ct.default_chat_template() if not self.missing(CHAT) else None)
+        # The tokenizer's own template, else GLM's default when the vocabulary has GLM's chat tokens: the one
+        # of the GLM generation `model_type` (a checkpoint's config.json) names, else glm5's own.
+        self.chat_template = chat_template or (ct.default_chat_template(model_type) if not self.missing(CHAT)
+                                               else None)
         self.eos_token_ids = self._eos_ids(vocab)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         pad = _token_text(self.config.get("pad_token")) or (PAD_TOKEN if PAD_TOKEN in vocab else None)
@@ -257,11 +260,13 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path, extra: tuple[str, ...
     return copied
 
 
-def load_tokenizer(path: str | Path) -> GLMTokenizer:
+def load_tokenizer(path: str | Path, model_type: str | None = None) -> GLMTokenizer:
     """Load a tokenizer directory (or a bare `tokenizer.json`, or `bundled:tokenizer-8k`): any HF one.
 
     The chat template comes from `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`,
-    else glm5's default template when the vocabulary has GLM's chat tokens, else there is none.
+    else, when the vocabulary has GLM's chat tokens, the default of the GLM generation `model_type` names
+    (default: `config.json`'s next to the tokenizer, a checkpoint's; see `chat_template.default_chat_template`),
+    else there is none.
     """
     path = resolve_path(path)
     file = path if path.is_file() else path / "tokenizer.json"
@@ -276,7 +281,12 @@ def load_tokenizer(path: str | Path) -> GLMTokenizer:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text(encoding="utf-8")
-    return GLMTokenizer(Tokenizer.from_file(str(file)), template, config)
+    if model_type is None and (root / "config.json").is_file():
+        try:
+            model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (ValueError, AttributeError):  # not a model config: no generation to follow
+            model_type = None
+    return GLMTokenizer(Tokenizer.from_file(str(file)), template, config, model_type)
 
 
 def _token_text(token) -> str | None:
