@@ -20,7 +20,7 @@ from glm5.train.config import TrainConfig
 from glm5.train.indexer_train import CONFIG, prepare_tokens, train_indexers
 
 MODEL = dict(vocab_size=8192, hidden_size=32, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
-             first_k_dense_replace=1, num_nextn_predict_layers=0, index_topk=1024, eos_token_id=[8172])
+             first_k_dense_replace=1, num_nextn_predict_layers=0, index_topk=1024, eos_token_id=[8156])
 WORDS = "the of indexer key query attention sparse dense token layer model train def return class import".split()
 
 

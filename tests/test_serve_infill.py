@@ -139,10 +139,11 @@ def test_truncation_off_is_a_clear_error():
 
 def test_format_choice_and_missing_tokens():
     assert choose_format(TOK, has_block_positions=True) == "glm"
-    with pytest.raises(InfillError, match="cannot infill"):
-        choose_format(TOK, has_block_positions=False)
-    with pytest.raises(InfillError, match="fill-in-the-middle"):
-        choose_format(TOK, has_block_positions=True, requested="spm")
+    # the bundled vocabulary has GLM's <|code_*|> tokens: a causal model gets GLM's code-completion prompt
+    assert choose_format(TOK, has_block_positions=False) == "codegeex"
+    assert choose_format(TOK, has_block_positions=True, requested="spm") == "spm"
+    with pytest.raises(InfillError, match="block_position_embedding"):
+        choose_format(TOK, has_block_positions=False, requested="glm")
 
 
 def test_beam_search_and_temperature_schedule_requests(live, model):

@@ -49,6 +49,31 @@ def test_special_tokens_fit_the_model_vocab(tok):
     assert tok.encode("x", add_special_tokens=True)[:2] == [tok.special_tokens["[gMASK]"], tok.special_tokens["<sop>"]]
 
 
+# GLM-5's released special tokens and their ids (zai-org GLM-4.7-Flash / GLM-5 tokenizer_config.json
+# `added_tokens_decoder`, 154820..154855), written out here independently of glm5's SPECIAL_TOKENS.
+GLM5_SPECIAL_IDS = {name: 154820 + k for k, name in enumerate((
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+    "<|end_of_video|>", "<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>",
+    "<|end_of_transcription|>", "<|code_prefix|>", "<|code_middle|>", "<|code_suffix|>", "<think>", "</think>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>", "</arg_key>",
+    "<arg_value>", "</arg_value>", "/nothink", "<|begin_of_box|>", "<|end_of_box|>", "<|image|>", "<|video|>"))}
+
+
+def test_bundled_vocabulary_has_glm5s_36_special_tokens_in_order(tok):
+    """Every GLM-5 special token is there, at GLM-5's id shifted by one constant; GLM-4.5's ids agree too
+    (llama.cpp / GLM-4.5 tokenizer: <|begin_of_image|> 151339, <|code_prefix|> 151347, <think> 151350)."""
+    assert len(GLM5_SPECIAL_IDS) == 36
+    shift = {name: GLM5_SPECIAL_IDS[name] - tok.token_to_id(name) for name in GLM5_SPECIAL_IDS}
+    assert set(shift.values()) == {154820 - 8156}, shift
+    for name, glm45 in (("<|begin_of_image|>", 151339), ("<|code_prefix|>", 151347), ("<think>", 151350)):
+        assert tok.token_to_id(name) - tok.token_to_id("<|endoftext|>") == glm45 - 151329
+    config = json.loads((ASSET / "tokenizer_config.json").read_text())
+    assert config["additional_special_tokens"] == list(GLM5_SPECIAL_IDS)
+    assert all(config["added_tokens_decoder"][str(tok.token_to_id(n))]["special"] for n in GLM5_SPECIAL_IDS)
+    assert tok.encode("/nothink") == [tok.token_to_id("/nothink")]
+
+
 def test_indentation_tokens(tok):
     """Seed D4: a newline plus 4/8/12/16 spaces (line-start indentation) is a single token."""
     for width in (4, 8, 12, 16):

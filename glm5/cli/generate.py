@@ -37,8 +37,9 @@ def parse_args(argv):
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default="false",
                    help="beam search stopping rule (HF semantics)")
     p.add_argument("--suffix", default=None, help="fill the gap between --prompt (prefix) and this text")
-    p.add_argument("--infill-format", choices=["auto", "glm", "spm", "psm"], default="auto",
-                   help="infill prompt format (auto: FIM tokens if the tokenizer has them, else GLM [MASK])")
+    p.add_argument("--infill-format", choices=["auto", "glm", "codegeex", "spm", "psm"], default="auto",
+                   help="infill prompt format (auto: GLM [MASK] on a blank-infilling model, else GLM's "
+                        "code-completion prompt with <|code_*|>, else FIM sentinels)")
     p.add_argument("--quantization", choices=["int8"], default=None, help="weight-only INT8")
     p.add_argument("--speculative-num-tokens", type=int, default=None,
                    help="MTP draft tokens per step (default: 0; 1 for the embedded model)")

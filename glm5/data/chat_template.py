@@ -23,12 +23,23 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from glm5.core.resources import bundled
 
 DEFAULT_TEMPLATE = "tokenizer-8k/chat_template.jinja"  # a bundled asset (package data)
+# The released GLM generation a checkpoint's model_type stands for -> glm5's template with its semantics
+# (GLM-4.5/4.6 are glm4_moe; GLM-4.7-Flash is glm4_moe_lite, GLM-5 glm_moe_dsa, both in GLM-4.7/5's format;
+# GLM-4.7 is a glm4_moe too, but it ships its template).
+GENERATION_TEMPLATES = {
+    "glm4_moe": "chat-templates/glm45.jinja",
+    "glm4_moe_lite": "chat-templates/glm47.jinja",
+    "glm_moe_dsa": "chat-templates/glm47.jinja",
+    "glm5_ext": "chat-templates/glm47.jinja",
+}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def default_chat_template() -> str:
-    """GLM-5's chat format (the bundled tokenizer's template): for GLM-vocabulary tokenizers without one."""
-    return bundled(DEFAULT_TEMPLATE).read_text(encoding="utf-8")
+def default_chat_template(model_type: str | None = None) -> str:
+    """The template for a GLM-vocabulary tokenizer that ships none: for a checkpoint's `model_type`, the
+    format of that GLM generation (GENERATION_TEMPLATES); without one, glm5's own (the bundled tokenizer's,
+    GLM-5-style but with `<think></think>` for a turn without reasoning)."""
+    return bundled(GENERATION_TEMPLATES.get(model_type, DEFAULT_TEMPLATE)).read_text(encoding="utf-8")
 
 
 class _GenerationTracker(jinja2.ext.Extension):

@@ -24,14 +24,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Iterator, Literal
 
 import numpy as np
 import torch
 
 from glm5.core import dist
+from glm5.data.code_completion import CodeFim, CodeTokens
 from glm5.data.infilling import IGNORE, InfillConfig, InfillTokens, make_infill_sample
 from glm5.data.shards import TokenShards
+from glm5.data.tokenizer import load_tokenizer
 
 
 @dataclass(kw_only=True)
@@ -74,7 +78,8 @@ class DataLoaderConfig:
     """Blank-infilling settings."""
     fim_spm_ratio: float = 0.5
     """"fim" batches (fill-in-the-middle with sentinel tokens, causal): fraction of pieces in SPM order
-    (suffix first, as `glm5 serve` prompts it by default), the rest in PSM order."""
+    (suffix first), the rest in PSM order. Unused with GLM's <|code_*|> tokens (every GLM vocabulary):
+    those samples take GLM's code-completion prompt, which is suffix first, as `glm5 serve` builds it."""
     groups: dict[str, list[str]] = field(default_factory=dict)
     """Named groups of `mix_by` values that mixture weights may refer to, e.g. the seeds' code mixture
     {general = ["tech", "quotes", "literature"], code = ["code"], math = ["math"]} with weights
@@ -245,6 +250,8 @@ class PackedLoader:
             raise ValueError(f"infill_ratio > 0 but {cfg.train_path}/meta.json lacks GLM mask token ids")
         fim = [special.get(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|endoftext|>")]
         self.fim_ids = tuple(fim) if all(i is not None for i in fim) else None
+        # GLM's <|code_*|> tokens: "fim" samples take GLM's code-completion layout (glm5.data.code_completion)
+        self.code_fim_tokens = CodeTokens.from_special_tokens(special)
         self.sentence_end_ids = self.shards.sentence_end_ids
         self.step, self.rows, self.manual_step = 0, 0, False
         for st in cfg.stages or [cfg.stage_at(0)]:
@@ -294,8 +301,9 @@ class PackedLoader:
             raise ValueError(f"objective must be None, 'clm', 'glm' or 'fim', got {objective!r}")
         if objective == "glm" and self.infill_ids is None:
             raise ValueError("objective 'glm' needs the shards' [MASK]/<sop>/<eop> ids (special_tokens in meta)")
-        if objective == "fim" and self.fim_ids is None:
-            raise ValueError("objective 'fim' needs a tokenizer with <|fim_prefix|>/<|fim_suffix|>/<|fim_middle|> "
+        if objective == "fim" and self.fim_ids is None and self.code_fim_tokens is None:
+            raise ValueError("objective 'fim' needs a tokenizer with GLM's <|code_prefix|>/<|code_suffix|>/"
+                             "<|code_middle|> or <|fim_prefix|>/<|fim_suffix|>/<|fim_middle|> "
                              "(train one with `glm5 data tokenizer --fim_tokens=true`) in the shards' meta")
         stage = self.cfg.stage_at(self.step)
         probs = self._probs(stage)
@@ -356,18 +364,34 @@ class PackedLoader:
         row.add(sample.input_ids, sample.labels, sample.position_ids, sample.block_position_ids, sample.sep)
         stream.advance(n, len(rest))
 
+    @cached_property
+    def code_fim(self) -> CodeFim:
+        """GLM's code-completion layout for "fim" samples, from the tokenizer the shards carry (its headers
+        are text, so they are encoded with it)."""
+        path = self.shards.dir / "tokenizer"
+        path = path if path.is_dir() else Path(self.shards.meta.get("tokenizer", path))
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"objective 'fim' with GLM's <|code_*|> tokens encodes its headers with the shards' "
+                             f"tokenizer, but {self.shards.dir} has no tokenizer/ (re-run `glm5 data tokenize`)")
+        return CodeFim.from_tokenizer(load_tokenizer(path))
+
     def _add_fim(self, row: Row, stream: DocStream, rng: np.random.Generator) -> None:
-        """A document piece as prefix/middle/suffix around two uniform cut points (token level), in SPM or
-        PSM order with the sentinels, the middle ended by <|endoftext|>; causal loss on every token."""
+        """A document piece as prefix/middle/suffix around two uniform cut points (token level), the middle
+        ended by <|endoftext|>; causal loss on every token. With GLM's <|code_*|> tokens in GLM's
+        code-completion prompt (as `/infill` builds it), else in SPM or PSM order with the sentinels."""
         _, rest = stream.current()
-        n = min(len(rest), row.room - 4)  # three sentinels + the end token
+        overhead = self.code_fim.overhead if self.code_fim_tokens is not None else 4  # sentinels + end token
+        n = min(len(rest), row.room - overhead)
         if n < FIM_MIN_TOKENS:
             self._add_causal(row, stream)
             return
         spm = rng.random() < self.cfg.fim_spm_ratio
         i, j = np.sort(rng.integers(0, n, size=2, endpoint=True))
-        if row.store:
-            row.add_causal(fim_sample(np.asarray(rest[:n], dtype=np.int64), int(i), int(j), self.fim_ids, spm))
+        piece = np.asarray(rest[:n], dtype=np.int64)
+        if self.code_fim_tokens is not None:
+            row.add_causal(self.code_fim.sample(piece, int(i), int(j)))
+        elif row.store:
+            row.add_causal(fim_sample(piece, int(i), int(j), self.fim_ids, spm))
         else:
             row.add(np.empty(n + 4), None, None)
         stream.advance(n, len(rest))

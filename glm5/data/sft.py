@@ -8,7 +8,8 @@ marks as generated (`{% generation %}`: reasoning, content, tool calls) plus the
 assistant turn (`<|observation|>` before tool results, `<|user|>`, or a final `<|endoftext|>`).
 Reasoning: with `keep_reasoning` (default) every turn keeps its reasoning (`clear_thinking=False`,
 GLM's preserved thinking); without it earlier turns are rendered as at inference (reasoning cleared to
-`<think></think>`) and those emptied think blocks get no loss: the model never produced them.
+`<think></think>`, or `</think>` in GLM-4.7/5's template) and those emptied think blocks get no loss: the
+model never produced them.
 A line `{"text": "..."}` is plain text trained on every token (domain-adaptive pretraining).
 Packing concatenates documents into fixed rows; `segment_ids` (1.. per document, 0 = padding) keep
 attention inside each document and `position_ids` restart at 0, as `glm5.data.loader` does.
@@ -139,12 +140,15 @@ def encode_example(tokenizer, ex: ChatExample, keep_reasoning: bool = True) -> t
 
 
 def _unmask_cleared_think(tokenizer, messages, ids: np.ndarray, mask: np.ndarray) -> None:
-    """Drop the loss on the `<think></think>` that opens a cleared turn's generated block."""
+    """Drop the loss on what opens a cleared turn's generated block: `<think></think>` (glm5's and
+    GLM-4.5's templates) or a bare `</think>` (GLM-4.7/5's)."""
     think, end = tokenizer.special_tokens["<think>"], tokenizer.special_tokens["</think>"]
     starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]  # block starts
     for start, cleared in zip(starts, _cleared_turns(messages)):
         if cleared and ids[start] == think and start + 1 < len(ids) and ids[start + 1] == end:
             mask[start:start + 2] = False
+        elif cleared and ids[start] == end:
+            mask[start] = False
 
 
 def encode_file(tokenizer, path: str | Path, keep_reasoning: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:

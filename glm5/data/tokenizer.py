@@ -25,13 +25,20 @@ from glm5.core.io import atomic_write_json, atomic_write_text
 from glm5.core.resources import resolve_path
 from glm5.data import chat_template as ct
 
-# GLM's special tokens, in the order of the real GLM-4.5/GLM-5 vocabulary (minus the multimodal ones).
+# GLM-5's 36 special tokens, in the order of the released vocabulary (ids 154820-154855 there): ours take
+# the last 36 ids in the same order, so that id - first_id agrees with GLM-5's for every one of them.
 SPECIAL_TOKENS = (
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+    "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
+    "<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>", "<|end_of_transcription|>",
+    "<|code_prefix|>", "<|code_middle|>", "<|code_suffix|>",
     "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "/nothink", "<|begin_of_box|>", "<|end_of_box|>", "<|image|>", "<|video|>",
 )
+# GLM's code-completion tokens (CodeGeeX4's prompt; llama.cpp takes them as GLM-4.5's FIM tokens).
+CODE_TOKENS = ("<|code_prefix|>", "<|code_suffix|>", "<|code_middle|>")
 # Fill-in-the-middle sentinels (a code tokenizer trained with `fim_tokens = true`; Qwen-coder's spelling).
 FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 # A GLM turn ends when the model emits one of these (GLM-5 generation_config: eos_token_id list).
@@ -75,13 +82,16 @@ def check_encodable(text: str, name: str = "text") -> None:
 class GLMTokenizer:
     """A loaded tokenizer: `tokenizers.Tokenizer` + special-token ids + chat template (None: no chat)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, config: dict | None = None):
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, config: dict | None = None,
+                 model_type: str | None = None):
         self.tok = tokenizer
         self.config = dict(config or {})
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.special_tokens = {t: vocab[t] for t in (*SPECIAL_TOKENS, *FIM_TOKENS) if t in vocab}
-        # The tokenizer's own template, else GLM's default when the vocabulary has GLM's chat tokens.
-        self.chat_template = chat_template or (ct.default_chat_template() if not self.missing(CHAT) else None)
+        # The tokenizer's own template, else GLM's default when the vocabulary has GLM's chat tokens: the one
+        # of the GLM generation `model_type` (a checkpoint's config.json) names, else glm5's own.
+        self.chat_template = chat_template or (ct.default_chat_template(model_type) if not self.missing(CHAT)
+                                               else None)
         self.eos_token_ids = self._eos_ids(vocab)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         pad = _token_text(self.config.get("pad_token")) or (PAD_TOKEN if PAD_TOKEN in vocab else None)
@@ -250,11 +260,13 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path, extra: tuple[str, ...
     return copied
 
 
-def load_tokenizer(path: str | Path) -> GLMTokenizer:
+def load_tokenizer(path: str | Path, model_type: str | None = None) -> GLMTokenizer:
     """Load a tokenizer directory (or a bare `tokenizer.json`, or `bundled:tokenizer-8k`): any HF one.
 
     The chat template comes from `chat_template.jinja`, else `tokenizer_config.json["chat_template"]`,
-    else glm5's default template when the vocabulary has GLM's chat tokens, else there is none.
+    else, when the vocabulary has GLM's chat tokens, the default of the GLM generation `model_type` names
+    (default: `config.json`'s next to the tokenizer, a checkpoint's; see `chat_template.default_chat_template`),
+    else there is none.
     """
     path = resolve_path(path)
     file = path if path.is_file() else path / "tokenizer.json"
@@ -269,7 +281,12 @@ def load_tokenizer(path: str | Path) -> GLMTokenizer:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text(encoding="utf-8")
-    return GLMTokenizer(Tokenizer.from_file(str(file)), template, config)
+    if model_type is None and (root / "config.json").is_file():
+        try:
+            model_type = json.loads((root / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (ValueError, AttributeError):  # not a model config: no generation to follow
+            model_type = None
+    return GLMTokenizer(Tokenizer.from_file(str(file)), template, config, model_type)
 
 
 def _token_text(token) -> str | None:

@@ -123,10 +123,12 @@ class LLM:
 
     def infill(self, prefix: str | list[str], suffix: str | list[str], sampling_params: SamplingParams | None = None,
                *, extra: list[tuple[str, str]] = (), format: InfillFormat | Literal["auto"] = "auto",
-               truncate: bool = True) -> RequestOutput | list[RequestOutput]:
+               truncate: bool = True, path: str = "", language: str | None = None,
+               mode: str | None = None) -> RequestOutput | list[RequestOutput]:
         """Fill the gap between `prefix` and `suffix` (code completion; see glm5/infer/infill.py for the
-        GLM blank-infilling and sentinel-FIM formats). Lists of prefixes and suffixes run as one batch and
-        give a list. `extra`: (filename, text) context files. Beam search when `use_beam_search`."""
+        GLM blank-infilling, GLM code-completion and sentinel-FIM formats). Lists of prefixes and suffixes
+        run as one batch and give a list. `extra`: (filename, text) context files; `path`, `language`,
+        `mode` (LINE | BLOCK): the code-completion prompt's headers. Beam search when `use_beam_search`."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: infilling needs one")
         single = isinstance(prefix, str)
@@ -136,8 +138,8 @@ class LLM:
         params = sampling_params or self.engine.default_sampling_params()
         fmt = choose_format(self.tokenizer, self.engine.model_config.block_position_embedding, format)
         room = self.engine.config.max_model_len - (params.max_tokens or self.engine.config.max_model_len // 2)
-        ips = [build_infill(self.tokenizer, fmt, p, s, room=room, extra=list(extra), truncate=truncate)
-               for p, s in zip(prefixes, suffixes)]
+        ips = [build_infill(self.tokenizer, fmt, p, s, room=room, extra=list(extra), truncate=truncate,
+                            path=path, language=language, mode=mode) for p, s in zip(prefixes, suffixes)]
         if params.use_beam_search:
             outs = [self._beam_one(None, ip.token_ids, params, ip.layout) for ip in ips]
         else:

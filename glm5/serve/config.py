@@ -29,9 +29,10 @@ class ServerConfig:
     # glm4_moe checkpoint, glm47 otherwise), "" = off
     tool_parser: Literal["auto", "glm47", "glm45", ""] = "auto"
     reasoning_parser: Literal["glm45", ""] = "glm45"  # `<think>` -> reasoning_content ("" = off)
-    # /infill and `suffix`: "auto" = sentinel FIM (suffix first) when the tokenizer has FIM tokens, else GLM
-    # blank infilling on a model trained for it; "psm" = prefix-suffix-middle order
-    infill_format: Literal["auto", "glm", "spm", "psm"] = "auto"
+    # /infill and `suffix`: "auto" = GLM blank infilling on a model trained for it, else GLM's code-completion
+    # prompt ("codegeex") when the vocabulary has <|code_*|>, else sentinel FIM (suffix first, "spm");
+    # "psm" = sentinel FIM in prefix-suffix-middle order (glm5/infer/infill.py)
+    infill_format: Literal["auto", "glm", "codegeex", "spm", "psm"] = "auto"
     max_stored_responses: int = 256  # /v1/responses kept for `previous_response_id` (oldest evicted first)
     infill_truncate: bool = True  # too long prefix/suffix: cut the far ends (reported) instead of a 400
 

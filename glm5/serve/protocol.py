@@ -157,6 +157,10 @@ class InfillRequest(OpenAIModel):
     input_suffix: str = ""
     input_extra: list[InfillExtra] = Field(default_factory=list, max_length=1024)
     prompt: str = ""  # what the middle starts with (the current line typed so far)
+    # glm5 extensions for GLM's code-completion prompt (`###PATH:`, `###LANGUAGE:`, `###MODE:` headers):
+    path: str = Field(default="", max_length=4096)  # the file's relative path
+    language: str | None = Field(default=None, max_length=64)  # None: from the path's extension
+    mode: Literal["LINE", "BLOCK"] | None = None  # None: LINE when text follows the cursor on its line
     n_predict: int = Field(default=-1, ge=-1)
     temperature: float = Field(default=0.8, ge=0.0, le=100.0)
     top_k: int = Field(default=40, ge=-1)

@@ -26,16 +26,18 @@ from glm5.serve.common import APIError, ServerState, as_api_error, sse
 
 
 def infill_prompt_for(state: ServerState, prefix: str, suffix: str, max_tokens: int,
-                      extra: list[tuple[str, str]] = (), middle_start: str = "") -> InfillPrompt:
+                      extra: list[tuple[str, str]] = (), middle_start: str = "", **code) -> InfillPrompt:
     """The model's infill prompt within max_model_len - max_tokens tokens; 400 when the model cannot
-    infill or (with truncation off) the input does not fit."""
+    infill or (with truncation off) the input does not fit. `code`: `path`, `language`, `mode` of GLM's
+    code-completion prompt (`build_infill`)."""
     if state.tokenizer is None:
         raise APIError(400, "this model has no tokenizer: infilling needs one", param="model")
     try:
         fmt = choose_format(state.tokenizer, state.engine.model_config.block_position_embedding,
                             state.config.infill_format)
         return build_infill(state.tokenizer, fmt, prefix, suffix, room=state.max_model_len - max_tokens,
-                            extra=extra, middle_start=middle_start, truncate=state.config.infill_truncate)
+                            extra=extra, middle_start=middle_start, truncate=state.config.infill_truncate,
+                            **code)
     except InfillError as e:
         raise APIError(400, str(e), param=e.param or "suffix") from e
 
@@ -181,7 +183,8 @@ async def create_infill(state: ServerState, req, request_id: str):
     max_tokens = state.config.default_max_tokens if req.n_predict < 0 else req.n_predict
     max_tokens = max(1, min(max_tokens, state.max_model_len - 4))
     extra = [(c.filename, c.text) for c in req.input_extra]
-    ip = infill_prompt_for(state, req.input_prefix, req.input_suffix, max_tokens, extra, req.prompt)
+    ip = infill_prompt_for(state, req.input_prefix, req.input_suffix, max_tokens, extra, req.prompt,
+                           path=req.path, language=req.language, mode=req.mode)
     params = infill_params(state, req, max_tokens)
     job = _InfillJob(state, req, ip, params, request_id)
     headers = truncation_header(ip)
