@@ -83,10 +83,22 @@ def exact_check(base: str, adapter: str | None = None, full: str | None = None) 
                for c in cases]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), lora="sft" if adapter else None)
     answers = [o.outputs[0].text for o in outs]
-    right = [parse_names(a) == c["names"] for a, c in zip(answers, cases)]
-    return {"heldout_exact": sum(right[:len(held)]) / len(held), "heldout_n": len(held),
-            "seen_code_exact": sum(right[len(held):]) / len(seen), "seen_code_n": len(seen),
-            "examples": [{"want": c["names"], "got": a[:80]} for c, a in list(zip(cases, answers))[:3]]}
+    strict = [parse_names(a) == c["names"] for a, c in zip(answers, cases)]  # the asked format, exactly
+    named = [mentioned_names(a) == c["names"] for a, c in zip(answers, cases)]  # the right names, any wording
+    h = len(held)
+    return {"heldout_exact": sum(strict[:h]) / h, "heldout_names": sum(named[:h]) / h, "heldout_n": h,
+            "seen_code_exact": sum(strict[h:]) / len(seen), "seen_code_names": sum(named[h:]) / len(seen),
+            "seen_code_n": len(seen), "answers": [{"want": c["names"], "got": a} for c, a in zip(cases, answers)]}
+
+
+def mentioned_names(text: str) -> list[str]:
+    """The parameter names an answer gives in any wording: its `backticked` names in order (first
+    sentence), else the strict comma list; "no parameters"-style answers are the empty list."""
+    first = re.split(r"(?<=[.!?])\s", text.strip(), maxsplit=1)[0] if text.strip() else ""
+    if re.search(r"\b(no|zero|any) (parameters|arguments)\b|^none\b", first, re.I):
+        return []
+    quoted = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", first)
+    return list(dict.fromkeys(quoted)) if quoted else parse_names(text)
 
 
 def _state_bytes(opt) -> int:

@@ -38,9 +38,15 @@ def test_rolling_windows_match_lm_eval():
 
 def test_loglikelihood_equals_lm_eval_hf(models):
     hf, ours = models
-    # a continuation that is the model's own greedy output must be flagged greedy by both
-    greedy = ours.generate(["Hello"], GenerationParams(max_tokens=3))[0][0]
-    reqs = REQUESTS + [("Hello", greedy)]
+    # a continuation that is the model's own greedy output must be flagged greedy by both; the first of
+    # these contexts whose pair splits into the context's own tokens and the greedy text's (a merge across
+    # the cut, or a trailing newline moved into the continuation, scores other tokens than were generated)
+    for context in ("Hello", "Hello\n", "The answer is", "def f(x):\n"):
+        greedy = ours.generate([context], GenerationParams(max_tokens=3))[0][0]
+        ctx, cont = ours.encode_pair(context, greedy)
+        if ctx == ours.prompt_ids(context, False) and cont == ours.tokenizer.encode(greedy, add_special_tokens=False):
+            break
+    reqs = REQUESTS + [(context, greedy)]
     ref = hf.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(reqs)])
     got = ours.loglikelihood(reqs)
     for (lp_ref, g_ref), (lp, g) in zip(ref, got):

@@ -185,8 +185,8 @@ def test_bad_input_shows_the_api_error(page):
     page.click("#tabs button[data-tab=infill]")
     page.click("#infill-run")
     page.wait_for_function("document.getElementById('infill-info').textContent.length > 0", polling=100)
-    info = page.inner_text("#infill-info")  # the tiny model has no FIM tokens: the server's 400, verbatim
-    assert info.startswith("400: ") and "cannot infill" in info and "fill-in-the-middle" in info
+    info = page.inner_text("#infill-info")  # the bundled vocabulary's <|code_*|> tokens: GLM's code prompt
+    assert "format codegeex" in info and "tokens" in info and not info.startswith("400")
 
 
 def test_ocr_upload_renders_markdown_with_confidences(page, server, tmp_path):

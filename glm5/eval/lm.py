@@ -97,9 +97,8 @@ class EvalModel(ABC):
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-        whole = self.encode(context + continuation)
-        n_ctx = len(self.encode(context))
-        return whole[:n_ctx], whole[n_ctx:]
+        whole, ctx = self.encode(context + continuation), self.encode(context)
+        return ctx, whole[len(ctx):]  # lm-eval's rule: the context encoded alone, where a merge crosses the cut
 
     def fit(self, ctx: list[int], cont: list[int]) -> TokenPair:
         """Left-truncate so that context + continuation minus the last token is <= max_length tokens
