@@ -10,11 +10,12 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from glm5.eval.lm import cut_at_stop
 from glm5.eval.loaders import ChoiceDoc, DataError, read_ceval_csv, read_jsonl, read_mmlu_csv
 from glm5.eval.metrics import keyword_recall, mean_stderr, pass_at_k, token_f1
 from glm5.eval.tasks import TaskConfig, build_task
 from glm5.eval.tasks.choice import ceval_description, ceval_question, mmlu_description, mmlu_question
-from glm5.eval.tasks.humaneval import truncate
+from glm5.eval.tasks.humaneval import STOP
 
 from .eval_fixtures import make_mmlu
 
@@ -95,8 +96,8 @@ def test_overlap_scores():
 
 
 def test_humaneval_truncation():
-    assert truncate("    return x\n\ndef other():\n    pass") == "    return x\n"
-    assert truncate("    return x\nprint(f(1))") == "    return x"
+    assert cut_at_stop("    return x\n\ndef other():\n    pass", STOP) == "    return x\n"
+    assert cut_at_stop("    return x\nprint(f(1))", STOP) == "    return x"
 
 
 def test_loaders_name_file_and_line(tmp_path):

@@ -12,19 +12,13 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..lm import EvalModel, GenerationParams, decoding_fingerprint
+from ..lm import EvalModel, GenerationParams, cut_at_stop, decoding_fingerprint
 from ..loaders import DataError, read_humaneval, read_jsonl
 from ..metrics import Metric, mean_stderr, pass_at_k
 from ..sandbox import Limits, run_program
 from .base import Doc, Task
 
 STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
-
-
-def truncate(completion: str, stop: tuple[str, ...] = STOP) -> str:
-    """The completion up to the first stop sequence."""
-    cut = min((i for i in (completion.find(s) for s in stop) if i >= 0), default=len(completion))
-    return completion[:cut]
 
 
 def program(problem: dict, completion: str) -> str:
@@ -63,7 +57,7 @@ class HumanEvalTask(Task):
 
     def evaluate(self, model: EvalModel | None, docs: list[Doc]) -> list[dict]:
         comps = self.completions(model, docs)
-        jobs = [(i, program(d.data, truncate(c))) for i, (d, cs) in enumerate(zip(docs, comps)) for c in cs]
+        jobs = [(i, program(d.data, cut_at_stop(c, STOP))) for i, (d, cs) in enumerate(zip(docs, comps)) for c in cs]
         with ThreadPoolExecutor(self.workers) as pool:
             results = list(pool.map(lambda job: run_program(job[1], self.limits), jobs))
         statuses: list[list[str]] = [[] for _ in docs]
