@@ -54,6 +54,11 @@ def check_token_ids(name: str, ids: Iterable, vocab_size: int) -> None:
         raise ValueError(f"{name} must be token ids in [0, {vocab_size}) (the model's vocabulary); got {bad}")
 
 
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width",
+               "thinking_budget", "thinking_end_token_id")
+
+
 @dataclass(kw_only=True)
 class SamplingParams:
     """Per-request generation controls (vLLM names and defaults)."""
@@ -131,6 +136,13 @@ class SamplingParams:
             check_token_ids(name, ids, vocab_size)
 
     def _errors(self):
+        for name in _INT_FIELDS:  # an int the tensors and generators cannot hold fails in the engine, not here
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool) and isinstance(v, int) and not _INT64[0] <= v <= _INT64[1]:
+                yield f"{name} must fit in a signed 64-bit integer, got {v}"
+                return
+        if self.seed is not None and self.seed + self.n - 1 > _INT64[1]:  # child i of n is seeded seed + i
+            yield f"seed + n - 1 must fit in a signed 64-bit integer, got seed {self.seed} and n {self.n}"
         if self.n < 1:
             yield f"n must be >= 1, got {self.n}"
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN fails every comparison
@@ -272,7 +284,7 @@ class Sampler:
     def _truncated_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """min-p, top-k, top-p, softmax -> [N, V]."""
         x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=x.device))
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else x.shape[1] for r in rows],
+        top_k = torch.tensor([min(r.params.top_k, x.shape[1]) if r.params.top_k > 0 else x.shape[1] for r in rows],
                              device=x.device)
         top_p = torch.tensor([r.params.top_p for r in rows], device=x.device)
         return torch.softmax(apply_top_k_top_p(x, top_k, top_p), dim=-1)  # [N, V]
