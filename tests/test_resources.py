@@ -34,8 +34,10 @@ def test_unknown_config_names_the_choices(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="not a file"):
         load_toml("../glm5/configs/train/tiny")  # no escaping the configs directory by name
     assert {"tiny", "small", "glm-5", "glm-5.2"} <= set(list_configs("model"))
-    with pytest.raises(ModelConfigError, match="unknown model preset"):
+    with pytest.raises(ModelConfigError, match=r"no such checkpoint directory '../train/tiny'.*preset.*tiny"):
         ModelConfig.from_preset("../train/tiny")
+    with pytest.raises(ModelConfigError, match=r"unknown model preset 'tinny'.*preset.*tiny"):
+        ModelConfig.from_preset("tinny")
 
 
 def test_bundled_assets():

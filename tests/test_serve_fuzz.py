@@ -123,3 +123,14 @@ def test_parsers_never_raise_on_model_output(pieces, params, opens):
     parser.finish()
     for call in parser.tool_calls:
         assert isinstance(json.loads(call.arguments), dict)
+
+
+def test_a_body_sent_as_a_form_is_told_to_send_json(server):
+    """`curl -d '{...}'` without -H sends application/x-www-form-urlencoded: the 400 names the header to add."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = send(server, "/v1/completions", body, headers)
+        err = r.json()["error"]
+        assert r.status_code == 400 and "Content-Type: application/json" in err["message"], r.text
+        assert err["type"] == "invalid_request_error" and err["param"] == "body"
+    assert send(server, "/v1/completions", body, {"content-type": "application/json"}).status_code == 200

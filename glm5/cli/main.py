@@ -29,11 +29,48 @@ COMMANDS = {
     "ocr": ("ocr", "OCR agent: `glm5 ocr IMAGE... [--format json|md|txt] [--rounds N] [--model CKPT]`"),
 }
 
+# Commands whose own parser takes `--debug` (the others never see it)
+OWN_DEBUG_FLAG = {"convert", "prune"}
+
 
 def usage() -> str:
     lines = ["usage: glm5 <command> [options]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user asked for something wrong (a path, a preset, a config key, a checkpoint
+    that cannot be used, a request the model cannot serve): one line on stderr and exit 2, not a traceback.
+    Imported only when an error is being reported, so `glm5 --help` stays cheap."""
+    from glm5.apps.ocr.image import ImageError  # noqa: PLC0415
+    from glm5.convert.llama import ConversionError  # noqa: PLC0415
+    from glm5.core.config import ConfigError  # noqa: PLC0415
+    from glm5.core.io import CheckpointError  # noqa: PLC0415
+    from glm5.data.sft import SFTDataError  # noqa: PLC0415
+    from glm5.distill.prune import PruneError  # noqa: PLC0415
+    from glm5.eval.loaders import DataError  # noqa: PLC0415
+    from glm5.infer.infill import InfillError  # noqa: PLC0415
+    from glm5.model.config import ModelConfigError  # noqa: PLC0415
+    from glm5.model.peft_adapter import AdapterError  # noqa: PLC0415
+
+    return (ImageError, ConversionError, ConfigError, CheckpointError, SFTDataError, PruneError, DataError,
+            InfillError, ModelConfigError, AdapterError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError)
+
+
+def run_command(name: str, rest: list[str]) -> int:
+    """Run `glm5 <name> rest...`; a user mistake prints `glm5 <name>: <message>` and returns 2. `--debug`
+    (anywhere after the command) re-raises it with its traceback."""
+    debug = "--debug" in rest
+    module = importlib.import_module(f"glm5.cli.{COMMANDS[name][0]}")
+    try:
+        return int(module.main(rest if name in OWN_DEBUG_FLAG else [a for a in rest if a != "--debug"]) or 0)
+    except Exception as e:  # noqa: BLE001 (sorted below: only user mistakes become one line)
+        if debug or not isinstance(e, user_errors()):
+            raise
+        print(f"glm5 {name}: {e}".replace("\n", " "), file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"glm5: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"glm5.cli.{COMMANDS[name][0]}")
-    return int(module.main(rest) or 0)
+    return run_command(name, rest)
 
 
 if __name__ == "__main__":

@@ -303,7 +303,10 @@ class ModelConfig:
         """A named preset, packaged as `glm5/configs/model/<name>.toml` (`tiny`, `small`, `glm-5`, `glm-5.2`)."""
         path = configs_dir() / "model" / f"{name}.toml"
         if "/" in name or not path.is_file():
-            raise ModelConfigError(f"unknown model preset {name!r}; available: {list_presets()}")
+            looks_like_path = "/" in name or "\\" in name or name.startswith(".")
+            what = "no such checkpoint directory" if looks_like_path else "unknown model preset"
+            raise ModelConfigError(f"{what} {name!r}: give a checkpoint directory (config.json + safetensors) "
+                                   f"or a preset: {list_presets()}")
         with open(path, "rb") as f:
             d = tomllib.load(f)
         d.update(overrides)

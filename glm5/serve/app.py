@@ -223,6 +223,10 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
     async def validation_error(request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
+        ctype = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in ctype.lower():  # curl -d sends a form
+            return _error(request, 400, f"the request body must be JSON: send the header 'Content-Type: "
+                          f"application/json' (got {ctype or 'no Content-Type'!r})", param="body")
         if first.get("type") == "json_invalid":
             return _error(request, 400, f"Malformed JSON body: {first.get('ctx', {}).get('error', '')}".strip(), param="body")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]

@@ -96,6 +96,12 @@ class ServerState:
         """The model's (rows of its logits): every token id a request carries must be below it."""
         return int(self.engine.model_config.vocab_size)
 
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names: the one the request asked for (an adapter's name answers as that
+        name, as vLLM does), the base model's name when it asked for none."""
+        return model if model is not None and (model == self.model_name or model in self.async_engine.loras) \
+            else self.model_name
+
     def check_model(self, model: str | None) -> str | None:
         """The adapter a request's `model` names (None = the base model); 404 for anything else."""
         if model is None or model == self.model_name:

@@ -329,7 +329,7 @@ class ChatJob:
 
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.state.model_name, "choices": choices, "model_version": self.version}
+                "model": self.state.served_name(self.req.model), "choices": choices, "model_version": self.version}
 
     def _usage(self) -> dict:
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_generated,

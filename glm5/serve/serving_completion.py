@@ -162,7 +162,7 @@ class _Job:
 
     def _chunk(self, choices: list[dict], version) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model":
-                self.state.model_name, "choices": choices, "model_version": version}
+                self.state.served_name(self.req.model), "choices": choices, "model_version": version}
 
     def _usage(self) -> dict:
         prompt = sum(len(ids) for ids in self.prompts)

@@ -142,7 +142,7 @@ class _InfillJob:
         tok = self.state.tokenizer
         return {
             "index": 0, "id_slot": 0, "content": self.text, "tokens": self.token_ids if self.req.return_tokens
-            else [], "stop": True, "model": self.state.model_name, "tokens_predicted": n_gen,
+            else [], "stop": True, "model": self.state.served_name(self.req.model), "tokens_predicted": n_gen,
             "tokens_evaluated": len(self.ip.token_ids), "tokens_cached": self.cached,
             "prompt": tok.decode(self.ip.token_ids, skip_special_tokens=False),
             "has_new_line": "\n" in self.text, "truncated": self.ip.is_truncated,
@@ -151,7 +151,7 @@ class _InfillJob:
             "generation_settings": {"n_predict": self.params.max_tokens, "temperature": self.req.temperature,
                                     "top_k": self.req.top_k, "top_p": self.req.top_p, "min_p": self.req.min_p,
                                     "seed": self.req.seed, "n_ctx": self.state.max_model_len,
-                                    "model": self.state.model_name},
+                                    "model": self.state.served_name(self.req.model)},
             "timings": {"prompt_n": len(self.ip.token_ids) - self.cached, "prompt_ms": (first - self.t0) * 1000,
                         "predicted_n": n_gen, "predicted_ms": predicted_ms,
                         "predicted_per_second": n_gen / (predicted_ms / 1000) if predicted_ms > 0 else 0.0},

@@ -181,7 +181,7 @@ def stop_reason(choice: ChatChoice, stops: list[str]) -> tuple[str, str | None]:
 
 
 def _message(job: ChatJob, msg_id: str, content: list[dict], reason: str | None, seq: str | None) -> dict:
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": job.state.model_name,
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": job.state.served_name(job.req.model),
             "content": content, "stop_reason": reason, "stop_sequence": seq,
             "usage": {"input_tokens": job.num_prompt_tokens, "output_tokens": job.num_generated}}
 

@@ -158,7 +158,7 @@ class ResponseRun:
         usage = {"input_tokens": self.job.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                  "output_tokens": self.job.num_generated, "total_tokens": self.job.num_prompt_tokens + self.job.num_generated,
                  "output_tokens_details": {"reasoning_tokens": len(self.state.tokenizer.encode(reasoning))}}
-        return {"id": self.id, "object": "response", "created_at": self.created, "model": self.state.model_name,
+        return {"id": self.id, "object": "response", "created_at": self.created, "model": self.state.served_name(self.req.model),
                 "status": ("incomplete" if cut else "completed") if done else "in_progress",
                 "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
                 "instructions": req.instructions, "output": output, "parallel_tool_calls": req.parallel_tool_calls,

@@ -1,0 +1,40 @@
+"""A user mistake on the CLI is one line naming the thing, exit 2; `--debug` shows the traceback (issue 30)."""
+
+import json
+
+import pytest
+
+from glm5.cli.main import main
+from glm5.model.config import ModelConfigError
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_a_missing_checkpoint_is_named_as_a_path_not_a_preset(capsys, tmp_path):
+    err = one_line_error(capsys, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert err.startswith("glm5 generate: no such checkpoint directory") and "nope" in err and "tiny" in err
+    err = one_line_error(capsys, ["generate", "--model", "tinny", "--prompt", "hi"])
+    assert "unknown model preset 'tinny'" in err
+
+
+def test_debug_reraises_with_the_traceback(tmp_path):
+    with pytest.raises(ModelConfigError, match="no such checkpoint directory"):
+        main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi", "--debug"])
+
+
+def test_a_corrupt_checkpoint_is_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "num_hidden_layers": 1,
+                                                      "hidden_size": 64, "vocab_size": 100}))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    err = one_line_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
+    assert "model.safetensors" in err and "safetensors" in err
+
+
+def test_convert_keeps_its_own_debug_flag(capsys, tmp_path):
+    err = one_line_error(capsys, ["convert", str(tmp_path / "nope"), str(tmp_path / "out")])
+    assert err.startswith("glm5 convert:")
