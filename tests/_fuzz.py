@@ -191,6 +191,8 @@ class Case:
     method: str = "POST"
     headers: dict[str, str] = field(default_factory=lambda: {"content-type": "application/json"})
     raw: bool = False
+    status: int | None = None  # the status it must get, where one is certain
+    message: str | None = None  # ... and a part of its error message
 
 
 def _json_case(name: str, path: str, body: Any, **kw) -> Case:
@@ -200,6 +202,11 @@ def _json_case(name: str, path: str, body: Any, **kw) -> Case:
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+
+
+def _wide_schema(n: int) -> dict:
+    """An object of n optional string properties: xgrammar's compile time grows steeply with n."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
 
 
 def hand_written_cases() -> list[Case]:
@@ -225,7 +232,17 @@ def hand_written_cases() -> list[Case]:
         _json_case("huge max_tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": 10**30}),
         _json_case("huge n", COMPLETIONS, {"prompt": "hi", "n": 10**9}),
         _json_case("huge seed", COMPLETIONS, {"prompt": "hi", "seed": 2**64}),
-        _json_case("huge top_k", COMPLETIONS, {"prompt": [1264, 328], "top_k": 2**74, "seed": -8367}),
+        _json_case("schema of 20000 properties", CHAT, {"messages": USER, "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "big", "schema": _wide_schema(20000)}}},
+                   status=400, message="over the limit"),
+        _json_case("schema of 600 optional properties", CHAT, {"messages": USER, "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "wide", "schema": _wide_schema(600)}}},
+                   status=400, message="600 properties is over the limit of 512"),
+        _json_case("tool of 600 parameters", CHAT, {"messages": USER, "max_tokens": 2, "tool_choice": "required",
+                                                    "tools": tool(_wide_schema(600))},
+                   status=400, message="over the limit"),
+        _json_case("huge top_k", COMPLETIONS, {"prompt": [1264, 328], "top_k": 2**74, "seed": -8367},
+                   status=400, message="top_k must fit in a signed 64-bit integer"),
         _json_case("top_k above vocab", COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "top_k": 2**40}),
         _json_case("huge top_k chat", CHAT, {"messages": USER, "max_tokens": 2, "top_k": 10**25}),
         _json_case("seed at int64 edge", COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "seed": 2**63 - 1, "n": 2}),

@@ -76,6 +76,8 @@ def test_hand_written_hostile_requests(server, case):
         r = send(server, case.path, case.body, case.headers, case.method)
     server["tally"].add(r.status_code, case.name)
     _fuzz.check_response(r, case.name)
+    if case.status is not None:
+        assert r.status_code == case.status and case.message in r.json()["error"]["message"], r.text
     assert_alive(server, good_request=True)
 
 
