@@ -245,3 +245,8 @@ def parse_size(size: int | str) -> int:
         if s.endswith(unit):
             return int(float(s[: -len(unit)]) * mult)
     return int(s)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in `t`: the one check every tensor loaded at run time (expert uploads, LoRA adapters) passes."""
+    return bool(torch.isfinite(t).all())

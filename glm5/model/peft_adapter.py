@@ -21,10 +21,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import re2
 import torch
 from safetensors.torch import save_file
 
-from glm5.core.io import LazyTensors, atomic_dir, atomic_write_json
+from glm5.core.io import LazyTensors, all_finite, atomic_dir, atomic_write_json
 
 from .lora import Target, _layer_index, _matches, apply_lora, base_shape, candidates, lora_layers, scaling
 
@@ -72,10 +73,23 @@ def _check_lora_config(cfg: dict, where: Path) -> None:
         raise AdapterError(f"{where}/{CONFIG_FILE}: layers_pattern={pattern!r} (this model's layers are 'layers')")
 
 
-def _pattern_value(patterns: dict, key: str, default):
-    """PEFT's `get_pattern_key`: the first pattern p with re.match(r"(.*\\.)?(p)$", key)."""
+def _re2(pattern: str, what: str):
+    """`pattern` compiled by RE2 (linear-time matching: a catastrophic regex cannot freeze the server);
+    one RE2 cannot compile (backreferences, lookaround) is refused naming `what`."""
+    if not isinstance(pattern, str):
+        raise AdapterError(f"{CONFIG_FILE}: {what}={pattern!r} is not a string")
+    try:
+        return re2.compile(pattern)
+    except Exception as e:  # re2.error: backreferences, lookaround, bad syntax
+        raise AdapterError(f"{CONFIG_FILE}: {what}={pattern!r} is not a supported regular expression "
+                           f"(RE2 syntax, no backreferences or lookaround): {e}") from e
+
+
+def _pattern_value(patterns: dict, key: str, default, what: str = "rank_pattern"):
+    """PEFT's `get_pattern_key`: the first pattern p with re.match(r"(.*\\.)?(p)$", key) (matched by RE2)."""
     for p, v in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({p})$", key):
+        _re2(p, f"{what} key")
+        if _re2(rf"(.*\.)?({p})$", f"{what} key {p!r}").match(key):
             return v
     return default
 
@@ -97,7 +111,7 @@ def _split_targets(cfg: dict) -> tuple[list[str] | str, list[str]]:
 
 def _module_hit(name: str, spec: list[str] | str) -> bool:
     if isinstance(spec, str):
-        return re.fullmatch(spec, name) is not None
+        return _re2(spec, "target_modules").fullmatch(name) is not None
     return any(_matches(name, t) for t in spec)
 
 
@@ -122,8 +136,13 @@ def peft_targets(model: torch.nn.Module, cfg: dict) -> list[Target]:
     out = []
     for name, param in picked:
         key = name if param is None else f"{name}.{param}"
-        out.append(Target(name, param, int(_pattern_value(cfg.get("rank_pattern"), key, r)),
-                          float(_pattern_value(cfg.get("alpha_pattern"), key, alpha))))
+        t = Target(name, param, int(_pattern_value(cfg.get("rank_pattern"), key, r, "rank_pattern")),
+                   float(_pattern_value(cfg.get("alpha_pattern"), key, alpha, "alpha_pattern")))
+        bound = min(base_shape(model, t)[-2:])
+        if not 1 <= t.r <= bound:
+            raise AdapterError(f"{CONFIG_FILE}: rank {t.r} for {key!r} is out of range [1, {bound}] "
+                               f"(min(out, in) of the base tensor {base_shape(model, t)})")
+        out.append(t)
     return out
 
 
@@ -224,6 +243,8 @@ def read_adapter(model: torch.nn.Module, path: str | Path) -> tuple[dict, list[A
     parts: dict[Target, dict[str, torch.Tensor]] = {}
     for key, (t, which, _) in want.items():
         x = tensors.get(got[key])
+        if not all_finite(x):
+            raise AdapterError(f"{path}/{WEIGHTS_FILE}: tensor {got[key]!r} holds NaN or Inf")
         if t.param is not None:
             x = _from_peft(t, which, x, getattr(model.get_submodule(t.name), t.param).shape[0])
         parts.setdefault(t, {})[which] = x

@@ -12,8 +12,11 @@ import hashlib
 import re
 
 import torch
+
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
+
+from glm5.core.io import all_finite
 
 from glm5.serve.common import APIError
 
@@ -68,7 +71,7 @@ def parse_expert_upload(body: bytes, engine) -> tuple[dict[str, torch.Tensor], d
             raise APIError(400, f"{name}: shape {list(t.shape)} != expected {list(shapes[proj])}", param=name)
         if t.dtype != dtype:
             raise APIError(400, f"{name}: dtype {t.dtype} != served dtype {dtype}", param=name)
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise APIError(400, f"{name}: holds NaN or Inf", param=name)
         pairs.add((layer, expert))
     info = {"experts": sorted([list(p) for p in pairs]), "num_tensors": len(tensors),
