@@ -112,3 +112,61 @@ def test_cli_lora_flags():
     assert engine_cfg.lora_modules == {"sql": "/a/b", "poet": "/c"} and engine_cfg.max_loras == 4
     with pytest.raises(ConfigError, match="expected NAME=DIR"):
         parse_args(["--model", "m", "--lora", "nodir"])
+
+
+def _poisoned(live, name: str, tensor_fn=None, config_fn=None):
+    """A copy of the `poet` adapter with one tensor or its config changed."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = live["root"] / "poet", live["root"] / name
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    if tensor_fn is not None:
+        tensors = load_file(dst / "adapter_model.safetensors")
+        first = sorted(tensors)[0]
+        tensors[first] = tensor_fn(tensors[first].clone())
+        save_file(tensors, dst / "adapter_model.safetensors")
+    if config_fn is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        config_fn(cfg)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _set(key, value):
+    return lambda cfg: cfg.__setitem__(key, value)
+
+
+def test_poisoned_adapters_are_refused_before_they_touch_a_batch(live):
+    """Issue 30: a NaN/Inf adapter, an out-of-range rank and catastrophic regexes in adapter_config.json are
+    a 400 (promptly: RE2 matches in linear time), and the base model's greedy output is unchanged after."""
+    import time
+
+    client = openai.OpenAI(base_url=live["url"] + "/v1", api_key=KEY, max_retries=0)
+    before = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    evil = r"([\w.]|[\w.])*Z"
+    cases = {
+        "nan": (dict(tensor_fn=lambda t: t.index_fill_(0, torch.tensor([0]), float("nan"))), "NaN or Inf"),
+        "inf": (dict(tensor_fn=lambda t: t.index_fill_(0, torch.tensor([0]), float("inf"))), "NaN or Inf"),
+        "huge-rank": (dict(config_fn=_set("rank_pattern", {"q_a_proj": 100000})), "out of range"),
+        "evil-targets": (dict(config_fn=_set("target_modules", evil)), None),
+        "evil-rank-key": (dict(config_fn=_set("rank_pattern", {evil: 2})), "ok"),  # matches nothing: loads
+        "backref": (dict(config_fn=_set("target_modules", r"(a)\1")), "not a supported regular expression"),
+    }
+    for name, (kw, message) in cases.items():
+        path = _poisoned(live, f"bad-{name}", **kw)
+        t0 = time.monotonic()
+        r = admin(live, "load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        assert time.monotonic() - t0 < 10, name
+        if message == "ok":
+            assert r.status_code == 200 and admin(live, "unload_lora_adapter", {"lora_name": name}).status_code == 200
+            continue
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (name, r.text)
+        assert message is None or message in r.json()["error"]["message"], (name, r.text)
+    assert [m.id for m in client.models.list().data] == ["tiny", "sql"]
+    after = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert after == before
