@@ -306,7 +306,7 @@ class ModelConfig:
             looks_like_path = "/" in name or "\\" in name or name.startswith(".")
             what = "no such checkpoint directory" if looks_like_path else "unknown model preset"
             raise ModelConfigError(f"{what} {name!r}: give a checkpoint directory (config.json + safetensors) "
-                                   f"or a preset: {list_presets()}")
+                                   f"or a preset (available: {list_presets()})")
         with open(path, "rb") as f:
             d = tomllib.load(f)
         d.update(overrides)
