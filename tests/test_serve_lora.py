@@ -170,3 +170,41 @@ def test_poisoned_adapters_are_refused_before_they_touch_a_batch(live):
     after = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
                                       extra_body={"ignore_eos": True}).choices[0].text
     assert after == before
+
+
+def test_an_adapter_whose_outputs_overflow_fails_only_its_own_requests(live):
+    """Issue 30: finite but huge adapter weights make that adapter's logits NaN. B times the scale must be
+    finite to load (it is what the engine holds: a 400 otherwise); one that is, but overflows in the
+    forward pass, fails its own requests with a 500 naming the cause, while a base request batched with them
+    gets its own greedy answer, and failures in a row are not taken for an engine fault (the server stays up)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _poisoned(live, "overflow")
+    tensors = load_file(path / "adapter_model.safetensors")
+    save_file({k: (t.fill_(3e38) if "lora_B" in k else t) for k, t in tensors.items()},  # x scale 2: inf
+              path / "adapter_model.safetensors")
+    r = admin(live, "load_lora_adapter", {"lora_name": "overflow", "lora_path": str(path)})
+    assert r.status_code == 400 and "overflows" in r.json()["error"]["message"], r.text
+    save_file({k: (t.fill_(1e38) if "lora_B" in k else t) for k, t in tensors.items()},  # finite, x scale too
+              path / "adapter_model.safetensors")
+    assert admin(live, "load_lora_adapter", {"lora_name": "overflow", "lora_path": str(path)}).status_code == 200
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def batch():  # one batch (preferred_batch_size 3): two overflowing requests and the base
+        async with httpx.AsyncClient(base_url=live["url"], headers=headers, timeout=60) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json={**body, "model": m})
+                                          for m in ("overflow", "tiny", "overflow")])
+
+    bad1, base, bad2 = asyncio.run(batch())
+    assert base.status_code == 200 and base.json()["choices"][0]["text"] == merged_greedy(live["root"], None, 6)
+    for r in (bad1, bad2):
+        assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed", r.text
+        assert "not finite" in r.json()["error"]["message"]
+    for _ in range(3):  # alone, one after another: the adapter is to blame, not the engine
+        r = httpx.post(live["url"] + "/v1/completions", json={**body, "model": "overflow"}, headers=headers)
+        assert r.status_code == 500 and "not finite" in r.json()["error"]["message"]
+    assert httpx.get(live["url"] + "/health").status_code == 200
+    r = httpx.post(live["url"] + "/v1/completions", json={**body, "model": "tiny"}, headers=headers)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == merged_greedy(live["root"], None, 6)
+    assert admin(live, "unload_lora_adapter", {"lora_name": "overflow"}).status_code == 200

@@ -32,7 +32,7 @@ from glm5.native import load as load_native
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
 from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
-from .faults import FaultTracker, is_fatal, run_each
+from .faults import FaultTracker, NonFiniteOutput, is_fatal, run_each
 from .hugepages import rehome
 from .kernels import NativeLayerKernel, use_native_kernels
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
@@ -368,6 +368,8 @@ class LLMEngine:
         if out.is_empty():
             return []
         result, failed = self._run(out)
+        for rid in result.nonfinite:
+            failed[rid] = NonFiniteOutput("the model's logits for this request are not finite (NaN or inf)")
         if result.router_stats:  # per-layer expert load (seed M2: observable while serving), one add per step
             layers = torch.tensor([st["layer"] for st in result.router_stats], device=self._expert_tokens.device)
             self._expert_tokens.index_add_(0, layers, torch.stack([st["tokens_per_expert"] for st in result.router_stats]))
@@ -389,7 +391,10 @@ class LLMEngine:
         for s in out.scheduled:
             if s.request_id in failed:
                 self._fail(s.request, failed[s.request_id])
-        self._faults.record(len(out.scheduled) - len(failed), list(failed.values()))  # EngineFault on a streak
+        # EngineFault on a streak; an adapter whose outputs overflow is that adapter's fault, not the engine's
+        blamed = [failed[s.request_id] for s in out.scheduled if s.request_id in failed
+                  and not (isinstance(failed[s.request_id], NonFiniteOutput) and s.request.adapter_id >= 0)]
+        self._faults.record(len(out.scheduled) - len(failed), blamed)
         changed = {s.request.parent_id or s.request_id for s in out.scheduled
                    if s.request_id in result.sampled or s.request.is_finished}
         outputs = [self._output(gid) for gid in changed if gid in self._groups]

@@ -24,6 +24,11 @@ FATAL_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError, MemoryE
 MAX_CONSECUTIVE_FAILURES = 3  # failed requests in a row, none succeeding: the engine, not the requests
 
 
+class NonFiniteOutput(ArithmeticError):
+    """A request's own logits held NaN or inf (an overflowing adapter, a prompt that overflows the model):
+    the request is aborted with this error, the rest of its batch carries on."""
+
+
 class EngineFault(RuntimeError):
     """A failure that cannot be attributed to one request; the engine must not keep running."""
 
@@ -45,7 +50,7 @@ def run_each(run: Callable[[ScheduleOutput], RunnerOutput], out: ScheduleOutput
                 raise
             failed[s.request_id] = e
             continue
-        for name in ("sampled", "logprobs", "prompt_logprobs", "draft_token_ids"):
+        for name in ("sampled", "logprobs", "prompt_logprobs", "draft_token_ids", "nonfinite"):
             getattr(merged, name).update(getattr(result, name))
     return merged, failed
 

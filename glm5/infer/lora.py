@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm5.core.io import all_finite
 from glm5.model.attention import MLAttention
 from glm5.model.lora import WrappedLinear
 from glm5.model.moe import Experts, grouped_experts, sort_by_expert
@@ -64,7 +65,8 @@ def lowrank_masked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: tor
     S, R = A.shape[0], A.shape[1]
     t = x @ A.reshape(S * R, -1).T  # [n, S*R]
     own = slots[:, None] == torch.arange(S, device=x.device).repeat_interleave(R)[None]  # [n, S*R]
-    return torch.einsum("nsr,sor->no", (t * own).view(-1, S, R), B)  # [n, out]
+    # `where`, not a product with the mask: another slot's overflowing term (inf) times 0 would be NaN
+    return torch.einsum("nsr,sor->no", torch.where(own, t, 0).view(-1, S, R), B)  # [n, out]
 
 
 def lowrank_rows(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -131,9 +133,10 @@ class MultiLoRAAttention(MLAttention):
         if batch.ids is None:
             return out
         q, o = q_nope.reshape(-1, *q_nope.shape[-2:]), out.reshape(-1, *out.shape[-2:])  # [N, H, E], [N, H, K]
-        if q.shape[0] <= GATHER_ROWS:  # few rows: all slots in two einsums, other slots' terms masked to 0
+        if q.shape[0] <= GATHER_ROWS:  # few rows: all slots in two einsums, other slots' terms set to 0
+            # (by `where`: a product with the mask would turn another slot's overflow, inf * 0, into NaN)
             A, B_uk, _, own = self._all_slots()
-            t = torch.einsum("nhe,sher->nhsr", q, B_uk) * own[:, None, :, None]  # [N, H, S, R]
+            t = torch.where(own[:, None, :, None], torch.einsum("nhe,sher->nhsr", q, B_uk), 0)  # [N, H, S, R]
             o += torch.einsum("nhsr,srk->nhk", t, A)
             return out
         for s in batch.active:
@@ -151,7 +154,7 @@ class MultiLoRAAttention(MLAttention):
             lat, of = o_lat.reshape(-1, *o_lat.shape[-2:]), o.reshape(-1, *o.shape[-2:])  # [N, H, K], [N, H, V]
             if lat.shape[0] <= GATHER_ROWS:  # few rows: all slots in two einsums, other slots masked
                 A, _, B_uv, own = self._all_slots()
-                u = torch.einsum("nhk,srk->nhsr", lat, A) * own[:, None, :, None]  # [N, H, S, R]
+                u = torch.where(own[:, None, :, None], torch.einsum("nhk,srk->nhsr", lat, A), 0)  # [N, H, S, R]
                 of += torch.einsum("nhsr,shvr->nhv", u, B_uv)
             else:
                 for s in batch.active:
@@ -270,8 +273,12 @@ class LoRAManager:
                     buf[slot].zero_()
 
     def _check(self, weights: list[AdapterWeights], path) -> None:
+        dtype = next(self.model.parameters()).dtype
         for w in weights:
             t = w.target
+            if not all_finite((w.B * w.scaling).to(dtype)):  # the stacks hold B with the scale folded in
+                raise AdapterError(f"{path}: target {t.key!r}: lora_B times the scale {w.scaling:g} overflows "
+                                   f"{dtype} (the file's tensors are finite, the served ones would not be)")
             if t.name.endswith(UNSERVABLE):
                 raise AdapterError(f"{path}: target {t.key!r} cannot take per-request adapters in the engine "
                                    "(read as a matrix or shared with MTP); serve the merged model (glm5 merge)")

@@ -36,6 +36,7 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts for the next step
     hidden: torch.Tensor | None = None  # [N, H] final-norm hidden states of the step (MTP input)
     router_stats: list[dict] = field(default_factory=list)  # the model's, one dict per MoE layer
+    nonfinite: set[str] = field(default_factory=set)  # requests whose logits held NaN / inf (not sampled)
 
 
 @dataclass
@@ -96,6 +97,11 @@ class ModelRunner:
         fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
         result.hidden, result.router_stats = fwd.hidden_states[0], fwd.router_stats
         logits = fwd.logits[0].float()  # [M, V]
+        bad = self._nonfinite(logits, rows)
+        if bad:  # those requests are aborted by the engine; the rest of the batch is sampled as usual
+            result.nonfinite = bad
+            rows.prompt = [o for o in rows.prompt if o[0].request_id not in bad]
+            rows.sample = [o for o in rows.sample if o[0].request_id not in bad]
         for s, r0, n in rows.prompt:
             self._prompt_logprobs(s, logits[r0:r0 + n], result)
         if rows.sample:
@@ -133,6 +139,16 @@ class ModelRunner:
                 rows.sample.append((s, len(rows.indices), n))
                 rows.indices.extend(range(q1 - n, q1))
         return rows
+
+    @staticmethod
+    def _nonfinite(logits: torch.Tensor, rows: _Rows) -> set[str]:
+        """Ids of the requests with a NaN or infinite logit in their rows (one reduction when all are fine).
+        Rows are independent through every layer, so such a request poisons only its own rows."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return set()
+        ok = finite.tolist()
+        return {s.request_id for s, r0, n in (*rows.prompt, *rows.sample) if not all(ok[r0:r0 + n])}
 
     def _sample(self, logits: torch.Tensor, owners, result: RunnerOutput) -> None:
         plain = [(s, r0) for s, r0, n in owners if n == 1]  # rows without drafts: one batched sampler call
