@@ -291,3 +291,22 @@ def test_responses_tool_choice_required_is_the_chat_grammar(live):
                                    reasoning={"effort": "none"})
     calls = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and calls == _chat_call(live, "required")
+
+
+def test_compile_cost_of_tool_schemas_is_bounded_before_compiling():
+    """A tool call's constraint (a structural tag holding every tool's schema) has the limits of a JSON
+    schema: 512 properties per object, 4096 in all (issue 30)."""
+    from glm5.infer.structured import MAX_OBJECT_PROPERTIES, check_spec_cost
+
+    def tag(*widths):
+        schemas = [{"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}} for n in widths]
+        return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [
+                {"begin": f"<tool_call>f{k}", "content": {"type": "json_schema", "json_schema": s}, "end": "</tool_call>"}
+                for k, s in enumerate(schemas)]}}))
+
+    check_spec_cost(tag(MAX_OBJECT_PROPERTIES, 10))
+    with pytest.raises(ValueError, match="600 properties is over the limit of 512"):
+        check_spec_cost(tag(600))
+    with pytest.raises(ValueError, match="4,096 properties in all"):
+        check_spec_cost(tag(*[500] * 9))

@@ -151,3 +151,47 @@ def test_code_and_fim_tokens(tmp_path):
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
     assert again.special_tokens["<|fim_middle|>"] == fim[2] and again.encode(text) == ids
+
+
+class _CountingTokenizer:
+    """Passes calls to a `tokenizers.Tokenizer`, counting the characters it was given to encode."""
+
+    def __init__(self, inner):
+        self.inner, self.chars = inner, 0
+
+    def encode(self, text, **kw):
+        self.chars += len(text)
+        return self.inner.encode(text, **kw)
+
+    def encode_batch(self, texts, **kw):
+        self.chars += sum(map(len, texts))
+        return self.inner.encode_batch(texts, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_encode_with_a_limit_gives_the_same_ids_or_stops_early(tok):
+    """`encode(text, limit=N)` (the server's context check): the plain ids when they fit, else TooManyTokens
+    after tokenising about N tokens' worth of the text, not all of it (a 4 MB prompt costs what 8k tokens do)."""
+    import random
+
+    from glm5.data.tokenizer import COUNT_PIECE_CHARS, TooManyTokens
+
+    rng = random.Random(0)
+    pieces = [*TEXTS.values(), " ", "\n\n", "    ", "x" * 50]
+    text = "".join(rng.choice(pieces) for _ in range(6000))  # several counting pieces, every kind of text
+    assert len(text) > 3 * COUNT_PIECE_CHARS
+    ids = tok.encode(text, add_special_tokens=True)
+    assert tok.encode(text, add_special_tokens=True, limit=len(ids)) == ids
+    with pytest.raises(TooManyTokens) as e:
+        tok.encode(text, add_special_tokens=True, limit=len(ids) // 2)
+    assert len(ids) // 2 < e.value.at_least <= len(ids)
+    counting = GLMTokenizer(_CountingTokenizer(tok.tok), tok.chat_template)
+    huge = "ab " * 1_300_000  # the probe's 3.9 MB prompt: 1.3 M tokens
+    with pytest.raises(TooManyTokens, match="more than the limit of 8192"):
+        counting.encode(huge, add_special_tokens=True, limit=8192)
+    assert counting.tok.chars <= 2 * COUNT_PIECE_CHARS  # stopped after the first piece or two
+    nospace = "é" * (3 * COUNT_PIECE_CHARS)  # no whitespace to cut at: cut mid-run, still bounded
+    with pytest.raises(TooManyTokens):
+        tok.encode(nospace, limit=1000)

@@ -1,6 +1,6 @@
 """`glm5 serve`: the OpenAI-compatible server.
 
-    glm5 serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--admin-key KEY]
+    glm5 serve --model PATH_OR_PRESET [--host 127.0.0.1] [--port 8000] [--api-key KEY ...] [--admin-key KEY]
                [--lora NAME=DIR ...] [--max-loras N] [--tool-call-parser auto|glm45|glm47]
                [--config serve.toml] [--engine.max_num_seqs=64 |
                --max_num_seqs=64] [--server.key=value]
@@ -34,7 +34,9 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
     p.add_argument("--config", help="TOML with [engine] and [server] tables")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8000)")
-    p.add_argument("--api-key", help="require this key on /v1/* as Bearer or x-api-key (or set GLM5_API_KEY)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require this key on /v1/* as Bearer or x-api-key (or set GLM5_API_KEY); repeat it for "
+                        "one key per tenant (each its own tenant under --max-running-per-key)")
     p.add_argument("--admin-key", help="enable /admin/* with this Bearer key (or set GLM5_ADMIN_KEY)")
     p.add_argument("--served-model-name", help="model id clients send (default: the model's name)")
     p.add_argument("--tool-call-parser", choices=["auto", "glm45", "glm47", ""],
@@ -61,11 +63,18 @@ def parse_args(argv: list[str]) -> tuple[EngineConfig, ServerConfig]:
         engine_d["lora_modules"] = {**engine_d.get("lora_modules", {}), **_lora_pairs(args.lora)}
     for key, value in (("host", args.host), ("port", args.port), ("served_model_name", args.served_model_name),
                        ("tool_parser", args.tool_call_parser),
-                       ("api_key", args.api_key or os.environ.get("GLM5_API_KEY")),
-                       ("admin_key", args.admin_key or os.environ.get("GLM5_ADMIN_KEY"))):
+                       ("api_key", _keys(args.api_key) or os.environ.get("GLM5_API_KEY") or None),
+                       ("admin_key", args.admin_key or os.environ.get("GLM5_ADMIN_KEY") or None)):
         if value is not None:
             server_d[key] = value
     return from_dict(EngineConfig, d["engine"], "engine"), from_dict(ServerConfig, d["server"], "server")
+
+
+def _keys(keys: list[str] | None) -> str | list[str] | None:
+    """`--api-key` values: one key as itself, several as the list (a tenant each)."""
+    if not keys:
+        return None
+    return keys[0] if len(keys) == 1 else keys
 
 
 def _lora_pairs(items: list[str]) -> dict[str, str]:

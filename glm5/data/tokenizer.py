@@ -65,6 +65,28 @@ class MissingSpecialTokens(ValueError):
 # Texts longer than this are encoded with `encode_batch([text])` (same ids): the Rust tokenizer then
 # runs without the GIL, so other Python threads (a server's event loop) keep running meanwhile.
 GIL_FREE_CHARS = 4096
+# `encode(..., limit=N)` counts a text longer than this in pieces of about this many characters and stops
+# at the first piece that takes the count past N: the cost of refusing is bounded by N, not by the text.
+COUNT_PIECE_CHARS = 65536
+
+
+class TooManyTokens(ValueError):
+    """`encode(text, limit=N)`: the text has more than N tokens (`at_least` counted before stopping)."""
+
+    def __init__(self, at_least: int, limit: int):
+        self.at_least, self.limit = at_least, limit
+        super().__init__(f"the text has at least {at_least} tokens, more than the limit of {limit}")
+
+
+def _piece_end(text: str, at: int, look: int = 4096) -> int:
+    """Where to cut `text` at or after `at`: the start of the next whitespace run within `look`
+    characters, else `at` itself (a text without spaces is cut mid-word: one more token at most)."""
+    if at >= len(text):
+        return len(text)
+    for i in range(at, min(at + look, len(text))):
+        if text[i].isspace() and not text[i - 1].isspace():
+            return i
+    return at
 
 
 def check_encodable(text: str, name: str = "text") -> None:
@@ -128,10 +150,32 @@ class GLMTokenizer:
         """Number of ids (BPE vocabulary + added tokens); the model's vocab_size must be >= this."""
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Text -> ids. Special-token strings in `text` become their ids (as in HF);
         `add_special_tokens` applies the file's post-processor (ours prepends `[gMASK]<sop>`).
-        Text that is not valid Unicode (a lone surrogate such as "\\ud800") raises `ValueError`."""
+        Text that is not valid Unicode (a lone surrogate such as "\\ud800") raises `ValueError`.
+        `limit`: raise `TooManyTokens` when the ids would be more than `limit`, having tokenised little
+        more than `limit` tokens' worth of the text (a server's context check on a multi-megabyte prompt)."""
+        if limit is not None and len(text) > COUNT_PIECE_CHARS:
+            self._count_up_to(text, limit)
+        ids = self._encode(text, add_special_tokens)
+        if limit is not None and len(ids) > limit:
+            raise TooManyTokens(len(ids), limit)
+        return ids
+
+    def _count_up_to(self, text: str, limit: int) -> None:
+        """Tokenise `text` piece by piece, cut where a run of whitespace starts (where byte-level and
+        SentencePiece pre-tokenisers split anyway), and raise `TooManyTokens` as soon as the count, less
+        one token per cut for what a cut may change, passes `limit`."""
+        count, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = _piece_end(text, start + COUNT_PIECE_CHARS)
+            count += len(self._encode(text[start:end], False))
+            if count - cuts > limit:
+                raise TooManyTokens(count - cuts, limit)
+            start, cuts = end, cuts + 1
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
             if len(text) > GIL_FREE_CHARS:  # `encode` holds the GIL throughout; `encode_batch` releases it
                 return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

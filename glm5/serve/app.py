@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from glm5.data.chat_template import default_chat_template
-from glm5.data.tokenizer import GLMTokenizer
+from glm5.data.tokenizer import GLMTokenizer, TooManyTokens
 from glm5.infer.engine import LLMEngine
 from glm5.infer.sampling import check_token_ids
 from glm5.serve.sessions import ResponseStore, SessionStore
@@ -48,6 +48,7 @@ from glm5.serve.protocol_responses import ResponsesRequest
 from glm5.serve.serving_messages import count_tokens, create_message
 from glm5.serve.serving_responses import create_response
 from glm5.serve.serving_infill import create_infill
+from glm5.serve.tenants import TenantLimiter
 from glm5.serve.validation import check_body_text
 
 
@@ -67,6 +68,9 @@ class Gatekeeper:
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
+        cfg = state.config
+        self.limiter = None if cfg.max_running_per_key is None else \
+            TenantLimiter(cfg.max_running_per_key, cfg.max_waiting_per_key, cfg.retry_after_s)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -83,8 +87,24 @@ class Gatekeeper:
                 msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
             await send(msg)
 
+        path = scope["path"]
         try:
-            self._authorize(scope["path"], headers)
+            key = self._authorize(path, headers)
+            limited = self.limiter is not None and scope["method"] == "POST" and path.startswith(API_ROUTES) \
+                and path not in LORA_ADMIN_ROUTES
+            client = scope.get("client") or ("unknown", 0)
+            slot = self.limiter.slot(f"key {key}" if key is not None else f"client {client[0]}") if limited \
+                else None  # a full queue is a 429 here, before the body is read
+        except APIError as e:
+            return await _error_response(path, e)(scope, receive, send_with_headers)
+        if slot is None:
+            return await self._serve(scope, receive, send_with_headers, headers)
+        async with slot:
+            return await self._serve(scope, receive, send_with_headers, headers)
+
+    async def _serve(self, scope, receive, send_with_headers, headers):
+        """Read and check the body, then run the app with it."""
+        try:
             body = await self._read_body(scope, receive, headers)
             if body and not scope["path"].startswith("/admin/"):
                 check_body_text(body)
@@ -103,17 +123,19 @@ class Gatekeeper:
 
         await self.app(scope, replay, send_with_headers)
 
-    def _authorize(self, path: str, headers: dict[str, str]) -> None:
+    def _authorize(self, path: str, headers: dict[str, str]) -> int | None:
+        """Check the key a route needs; for API routes, the index of the API key presented (its tenant)."""
         cfg, authorization = self.state.config, headers.get("authorization", "")
         if path.startswith("/admin/") or path in LORA_ADMIN_ROUTES:
             if cfg.admin_key is None:
                 raise APIError(403, "admin routes are disabled (start the server with --admin-key)",
                                "permission_error", code="admin_disabled")
-            _check_bearer(authorization, cfg.admin_key, "admin key")
+            _check_bearer(authorization, (cfg.admin_key,), "admin key")
         elif "x-api-key" in headers and path.startswith("/v1/"):  # Anthropic clients send the key this way
-            _check_key(headers["x-api-key"], cfg.api_key, "API key")
-        elif path.startswith(("/v1/", "/tokenize", "/detokenize", "/infill")):
-            _check_bearer(authorization, cfg.api_key, "API key")
+            return _check_bearer(f"Bearer {headers['x-api-key']}", cfg.api_keys, "API key")
+        elif path.startswith(API_ROUTES):
+            return _check_bearer(authorization, cfg.api_keys, "API key")
+        return None
 
     async def _read_body(self, scope, receive, headers) -> bytes | None:
         """The whole body, bounded; None for bodiless methods."""
@@ -139,20 +161,21 @@ class Gatekeeper:
 
 
 LORA_ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # vLLM's paths, behind the admin key
+API_ROUTES = ("/v1/", "/tokenize", "/detokenize", "/infill")  # behind the API key; per-tenant limits apply
 
 
-def _check_bearer(authorization: str, key: str | None, what: str) -> None:
-    if key is None:
-        return
+def _check_bearer(authorization: str, keys: tuple[str, ...], what: str) -> int | None:
+    """The index of the key `Authorization: Bearer KEY` presents (None when no key is required); 401 when
+    it presents none of `keys`. Every key is compared in constant time."""
+    if not keys:
+        return None
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    token_bytes = token.strip().encode()
+    hits = [hmac.compare_digest(token_bytes, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(hits):
         raise APIError(401, f"missing or invalid {what} (Authorization: Bearer ... or x-api-key)",
                        "authentication_error", code="invalid_api_key")
-
-
-def _check_key(token: str, key: str | None, what: str) -> None:
-    """`x-api-key: KEY` (Anthropic's header): the same key as the Bearer check."""
-    _check_bearer(f"Bearer {token}", key, what)
+    return hits.index(True)
 
 
 async def _until_disconnect(request: Request, coro):
@@ -245,6 +268,12 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
     async def engine_error(request, e):
         return _error_response(request.url.path, as_api_error(e))
 
+    @app.exception_handler(TooManyTokens)
+    async def prompt_too_long(request, e: TooManyTokens):  # counted only up to the limit (tokenizer.py)
+        return _error(request, 400, f"This model's maximum context length is {state.max_model_len} tokens. "
+                      f"However, your prompt has at least {e.at_least} tokens.", param="prompt",
+                      code="context_length_exceeded")
+
     @app.exception_handler(ValueError)
     async def engine_rejected(request, e):  # the engine's own parameter validation
         return _error(request, 400, str(e))
@@ -330,7 +359,8 @@ def _install_info_routes(app: FastAPI, state: ServerState) -> None:
                                              add_generation_prompt=body.add_generation_prompt)
             ids = (await state.prepare(render_and_encode, state, chat_req))[3]
         else:
-            ids = await state.prepare(state.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await state.prepare(state.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens,
+                                      limit=state.max_model_len)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")

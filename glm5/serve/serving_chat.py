@@ -106,7 +106,7 @@ def render_and_encode(state: ServerState, req: ChatCompletionRequest):
     spec = output_constraint(req, text, tools)
     if spec is not None and spec.structural_tag is None and prompt_opens_reasoning(text):
         text += "</think>"  # a constrained answer is the content: close the thinking block first
-    return text, spec, tools, state.tokenizer.encode(text)
+    return text, spec, tools, state.tokenizer.encode(text, limit=state.max_model_len)
 
 
 class ChatChoice:

@@ -22,7 +22,7 @@ from glm5.serve.serving_infill import beam_generate, infill_prompt_for, truncati
 
 def _prompt_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return state.tokenizer.encode(prompt, add_special_tokens=True)
+        return state.tokenizer.encode(prompt, add_special_tokens=True, limit=state.max_model_len)
     return prompt_token_ids(state, prompt)
 
 
