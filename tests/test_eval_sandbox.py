@@ -7,6 +7,7 @@ documented as weaker)."""
 
 import ctypes
 import errno
+import json
 import os
 import socket
 import sys
@@ -18,9 +19,12 @@ import pytest
 
 from glm5.eval import sandbox
 from glm5.eval.sandbox import Limits, isolation, run_program
+from glm5.eval.tasks import TaskConfig, build_task
+from glm5.eval.tasks.humaneval import HumanEvalTask
 
 FAST = Limits(cpu_s=2, wall_s=4)
-namespaces = pytest.mark.skipif(isolation() != "namespaces", reason="unshare cannot make namespaces here")
+namespaces = pytest.mark.skipif(isolation() != "namespaces", reason="needs isolation() == 'namespaces' (unshare cannot "
+                                "make them here); the 'rlimits' mode isolates neither the file system nor the network")
 
 
 def test_outcomes():
@@ -46,6 +50,20 @@ def test_ending_early_on_a_wrong_answer_is_a_failure(escape):
     r = run_program(WRONG.format(escape=escape), FAST)
     assert r.status == "fail", (escape, r)
     assert run_program(WRONG.replace("a - b", "a + b").format(escape=""), FAST).status == "pass"
+
+
+def test_humaneval_scores_an_early_exit_as_wrong(tmp_path):
+    """Through the task: on the first bundled problem the canonical solution counts as correct, the same
+    body returning too early and then ending the process with status 0 does not."""
+    doc = build_task(TaskConfig(task="humaneval")).docs()[0]
+    good = doc.data["canonical_solution"]
+    wrong = "    return False\n"
+    completions = [good, wrong + "import sys\nsys.exit(0)\n", wrong + "import os\nos._exit(0)\n"]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps({"task_id": doc.id, "completion": c}) + "\n" for c in completions))
+    task = HumanEvalTask(tmp_path / "unused.jsonl", samples=samples, n=3, limits=FAST)
+    [record] = task.evaluate(None, [doc])
+    assert record["status"] == ["pass", "fail", "fail"] and record["correct"] == 1
 
 
 def test_killed_or_forged_is_not_a_pass():
@@ -223,7 +241,7 @@ def test_total_disk_use_is_bounded():
     src = ("import os\nwritten = 0\ntry:\n    for i in range(12):\n"
            "        with open(('.', '/tmp', '/dev/shm')[i % 3] + f'/f{i}', 'wb') as f:\n"
            "            written += f.write(b'0' * (15 << 20))\nexcept OSError as e:\n    print('errno', e.errno)\n"
-           "print('written', written, os.path.exists('program.py'), os.statvfs('.').f_blocks * os.statvfs('.').f_frsize)")
+           "fs = os.statvfs('.')\nprint('written', written, os.path.exists('program.py'), fs.f_blocks * fs.f_frsize)")
     r = run_program(src, Limits(cpu_s=5, wall_s=10, file_mb=16, disk_mb=64))
     words = r.stdout.split()
     assert r.status == "pass" and words[:2] == ["errno", str(errno.ENOSPC)], r
