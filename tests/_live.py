@@ -19,7 +19,7 @@ PROMPT = "The capital of France is"
 
 
 @contextlib.contextmanager
-def live_server(path, max_model_len: int = 128, server: ServerConfig | None = None, **engine_kw):
+def live_server(path, max_model_len: int = 128, server: ServerConfig | None = None, on_idle=None, **engine_kw):
     """Yields {"url", "engine", "app", "expected" (greedy 6-token continuation of PROMPT), "vocab"}."""
     cfg = ModelConfig.from_preset("tiny", num_hidden_layers=2, num_nextn_predict_layers=0)
     torch.manual_seed(0)
@@ -32,6 +32,6 @@ def live_server(path, max_model_len: int = 128, server: ServerConfig | None = No
     prompt_ids = TOK.encode(PROMPT, add_special_tokens=True)
     expected = TOK.decode(model.generate_greedy(torch.tensor([prompt_ids]), 6)[0, len(prompt_ids):].tolist(),
                           skip_special_tokens=True)
-    app = create_app(engine, config=server or ServerConfig(), model_name="tiny")
+    app = create_app(engine, config=server or ServerConfig(), model_name="tiny", on_idle=on_idle)
     with serve_in_thread(app) as url:
         yield {"url": url, "engine": engine, "expected": expected, "vocab": cfg.vocab_size, "app": app}

@@ -31,3 +31,24 @@ def test_tuned_malloc_reuses_pages_instead_of_faulting_them_in():
     plain, tuned = _faults(False), _faults(True)
     assert tuned * 4 < plain, (plain, tuned)
 
+
+
+TRIM_CHILD = """
+import torch
+from glm5.infer.malloc import trim_malloc, tune_malloc
+def rss():
+    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) // 1024
+assert tune_malloc()
+xs = [torch.ones(2**18) for _ in range(256)]  # 256 MiB in 1 MiB heap blocks (under the mmap threshold)
+del xs[:-1]  # all but the last: the freed pages sit below it, so no trim from the top can reach them
+held = rss()
+assert trim_malloc()
+print(held, rss())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_trim_gives_freed_heap_pages_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_CHILD], capture_output=True, text=True, check=True)
+    held, trimmed = map(int, out.stdout.split())
+    assert held - trimmed > 200, (held, trimmed)  # the tuned heap kept them (1 GiB trim threshold) until asked

@@ -23,9 +23,10 @@ KEYS = ("sk-alice", "sk-bob")
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, one_thread):
     server = ServerConfig(api_key=KEYS, max_running_per_key=1, max_waiting_per_key=0, retry_after_s=2)
+    idle = []
     with live_server(tmp_path_factory.mktemp("tenants"), max_model_len=2048, num_blocks=256,
-                     server=server) as s:
-        yield s
+                     server=server, on_idle=lambda: idle.append(1)) as s:
+        yield {**s, "idle": idle}
 
 
 def post(live, path, body, key, **kw):
@@ -122,3 +123,49 @@ def test_limiter_admits_in_order_and_frees_on_cancel():
         assert order == [0, 1] and lim.admitted("t") == 0 and not lim._tenants
 
     asyncio.run(scenario())
+
+
+def test_the_idle_hook_runs_once_the_server_is_quiet():
+    """`IdleHook` (glm5 serve: malloc_trim): after the last API request ends and `after_s` pass with none in
+    flight; not while one runs, once per quiet spell however many requests came before, never without work."""
+    from glm5.serve.app import IdleHook
+
+    async def scenario():
+        calls = []
+        hook = IdleHook(lambda: calls.append(1), after_s=0.05)
+        await asyncio.sleep(0.1)
+        assert calls == []  # no work yet: nothing to give back
+        hook.enter()
+        hook.enter()
+        hook.leave()
+        await asyncio.sleep(0.15)
+        assert calls == []  # one request still in flight
+        hook.leave()
+        hook.enter()  # another arrives within after_s: the first timer is void
+        hook.leave()
+        await asyncio.sleep(0.15)
+        await hook._task
+        assert calls == [1] and hook.calls == 1
+        await asyncio.sleep(0.1)
+        assert calls == [1]  # quiet with no new work: not again
+
+    asyncio.run(scenario())
+
+
+def test_the_server_calls_its_idle_hook_after_api_work_only(live):
+    time.sleep(1.5)  # whatever ran before has had its quiet second
+    n = len(live["idle"])
+    for _ in range(5):  # monitors polling do not count as work
+        assert httpx.get(live["url"] + "/health", timeout=30).status_code == 200
+    time.sleep(1.5)
+    assert len(live["idle"]) == n
+    for _ in range(3):
+        r = post(live, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}, KEYS[1])
+        assert r.status_code == 200
+    for _ in range(100):
+        if len(live["idle"]) > n:
+            break
+        time.sleep(0.05)
+    calls = len(live["idle"])
+    time.sleep(1.5)
+    assert calls > n and len(live["idle"]) == calls  # after the work, and not again while quiet

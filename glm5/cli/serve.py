@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
         print(f"glm5 serve: {e}")
         return 2
     from glm5.infer.engine import LLMEngine
-    from glm5.infer.malloc import tune_malloc
+    from glm5.infer.malloc import trim_malloc, tune_malloc
     from glm5.serve.app import create_app
     from glm5.serve.server import GracefulServer
 
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
         agent = OcrAgent(OcrConfig(rounds=ocr_args.ocr_rounds, model=ocr_args.ocr_model))
         reader = lambda url: ocr_server.image_part_text(agent, url)  # noqa: E731
     app = create_app(engine, config=server_cfg, on_engine_failure=lambda e: server.engine_failed(e),
-                     image_reader=reader)
+                     image_reader=reader, on_idle=trim_malloc)  # quiet again: give the peak's pages back
     if agent is not None:
         ocr_server.install(app, agent)
     server = GracefulServer(app, server_cfg.host, server_cfg.port, server_cfg.shutdown_timeout_s)

@@ -62,12 +62,42 @@ def _error_response(path: str, e: APIError) -> JSONResponse:
     return JSONResponse(e.body_for(path), status_code=e.status, headers=e.headers)
 
 
+class IdleHook:
+    """Calls `fn` once, in a worker thread, when no API request has been in flight for `after_s` seconds
+    after some were (/health, /metrics and other GETs of monitors do not count as work, and do not
+    postpone it). `glm5 serve` hands the heap's free pages back to the OS then (`trim_malloc`): the
+    allocator keeps what a peak freed while requests keep coming, and returns it once the server is quiet."""
+
+    def __init__(self, fn: Callable[[], object], after_s: float = 1.0):
+        self.fn, self.after_s = fn, after_s
+        self.inflight, self.generation, self.worked = 0, 0, False
+        self.calls = 0
+        self._task: asyncio.Future | None = None
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self.generation += 1
+        self.worked = True
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            asyncio.get_running_loop().call_later(self.after_s, self._fire, self.generation)
+
+    def _fire(self, generation: int) -> None:
+        if generation != self.generation or self.inflight or not self.worked:
+            return  # work came meanwhile (its own end schedules the next try), or nothing to give back
+        self.worked, self.calls = False, self.calls + 1
+        self._task = asyncio.ensure_future(asyncio.to_thread(self.fn))
+
+
 class Gatekeeper:
     """Pure ASGI middleware (no BaseHTTPMiddleware, so client disconnects reach the handlers):
-    request id, auth before the body is read, body bound (413), and the id/version response headers."""
+    request id, auth before the body is read, body bound (413), per-tenant limits (429), the id/version
+    response headers, and the idle hook."""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, idle: IdleHook | None = None):
+        self.app, self.state, self.idle = app, state, idle
         cfg = state.config
         self.limiter = None if cfg.max_running_per_key is None else \
             TenantLimiter(cfg.max_running_per_key, cfg.max_waiting_per_key, cfg.retry_after_s)
@@ -87,6 +117,17 @@ class Gatekeeper:
                 msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
             await send(msg)
 
+        path = scope["path"]
+        if self.idle is None or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self._admit(scope, receive, send_with_headers, headers)
+        self.idle.enter()
+        try:
+            return await self._admit(scope, receive, send_with_headers, headers)
+        finally:
+            self.idle.leave()
+
+    async def _admit(self, scope, receive, send_with_headers, headers):
+        """Authorise and apply the tenant's limit, then serve."""
         path = scope["path"]
         try:
             key = self._authorize(path, headers)
@@ -199,12 +240,14 @@ def _json_response(body: dict) -> JSONResponse:
 
 def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config: ServerConfig | None = None,
                model_name: str | None = None, on_engine_failure=None,
-               image_reader: Callable[[str], str] | None = None) -> FastAPI:
+               image_reader: Callable[[str], str] | None = None,
+               on_idle: Callable[[], object] | None = None) -> FastAPI:
     """The app over `engine`; the context limit is the engine's `max_model_len`.
     `on_engine_failure(exc)` runs (on the engine thread) if the engine loop dies of a fault that no
     single request explains; `glm5 serve` uses it to exit non-zero. Without it the server stays up and
     answers 503 "engine failed" (and /health 503) until it is restarted. `image_reader(url) -> text`
-    answers `image_url` chat parts (the OCR agent); without it they are a 400."""
+    answers `image_url` chat parts (the OCR agent); without it they are a 400. `on_idle()` runs in a
+    worker thread once the server has been quiet for a second after serving (`IdleHook`)."""
     config = config or ServerConfig()
     tokenizer = tokenizer or engine.tokenizer
     if tokenizer is None:  # text in and out needs one; say so at start, not as a 500 per request
@@ -233,7 +276,7 @@ def create_app(engine: LLMEngine, tokenizer: GLMTokenizer | None = None, config:
     app.state.serve = state
     _install_handlers(app, state)
     _install_routes(app, state)
-    app.add_middleware(Gatekeeper, state=state)
+    app.add_middleware(Gatekeeper, state=state, idle=None if on_idle is None else IdleHook(on_idle))
     return app
 
 
