@@ -208,3 +208,82 @@ def test_an_adapter_whose_outputs_overflow_fails_only_its_own_requests(live):
     r = httpx.post(live["url"] + "/v1/completions", json={**body, "model": "tiny"}, headers=headers)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == merged_greedy(live["root"], None, 6)
     assert admin(live, "unload_lora_adapter", {"lora_name": "overflow"}).status_code == 200
+
+
+def test_generated_adapter_files_are_loaded_or_refused_with_a_400(live, tmp_path_factory):
+    """Issue 30 item 6: the fuzzer's adapter files. `adapter_config.json` with any of PEFT's keys set to
+    generated values (ranks, alphas, regexes and lists of target modules, patterns, junk types, extra keys)
+    and `adapter_model.safetensors` with tensors dropped, added, reshaped, retyped or made non-finite: the
+    load route answers 200 or a 400 error object, within 10 s, and never touches the base model's output;
+    an adapter that loads serves a request and unloads."""
+    import json
+    import shutil
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from safetensors.torch import load_file, save_file
+
+    src = live["root"] / "poet"
+    base_cfg = json.loads((src / "adapter_config.json").read_text())
+    base_tensors = load_file(src / "adapter_model.safetensors")
+    names = sorted(base_tensors)
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    expected = merged_greedy(live["root"], None, 4)
+    regexes = st.sampled_from([r".*", r"q_a_proj", r"([\w.]|[\w.])*Z", r"(a)\1", r"[", r"(?=x)", r"x{99999}",
+                               r".*\.experts\..*", r"(a+)+$", ""]) | st.text(max_size=12)
+    values = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 40),
+                       st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=10), regexes,
+                       st.lists(regexes, max_size=4), st.dictionaries(regexes, st.integers(-5, 100_000), max_size=3))
+    config_edits = st.dictionaries(st.sampled_from(
+        ["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "peft_type", "use_rslora",
+         "lora_dropout", "bias", "fan_in_fan_out", "modules_to_save", "use_dora", "layers_to_transform",
+         "base_model_name_or_path", "task_type", "init_lora_weights", "exclude_modules", "extra_junk"]),
+        values, max_size=3)
+    tensor_edit = st.sampled_from(["none", "drop", "add", "reshape", "int", "nan", "inf", "transpose", "empty"])
+    count = [0]
+    root = tmp_path_factory.mktemp("fuzz-adapters")
+
+    @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(config_edits, tensor_edit, st.sampled_from(names), st.booleans())
+    def run(edits, edit, target, broken_json):
+        count[0] += 1
+        path = root / f"a{count[0]}"
+        shutil.copytree(src, path)
+        cfg = {**base_cfg, **edits}
+        (path / "adapter_config.json").write_text("{" + json.dumps(cfg)[1:30] if broken_json else json.dumps(cfg))
+        tensors = dict(base_tensors)
+        t = tensors[target]
+        if edit == "drop":
+            del tensors[target]
+        elif edit == "add":
+            tensors[target.replace("lora_A", "lora_C").replace("lora_B", "lora_C") + ".x"] = t.clone()
+        elif edit == "reshape":
+            tensors[target] = t.reshape(-1)[: max(1, t.numel() - 1)].clone()
+        elif edit == "int":
+            tensors[target] = t.to(torch.int32)
+        elif edit in ("nan", "inf"):
+            tensors[target] = t.clone().index_fill_(0, torch.tensor([0]), float(edit))
+        elif edit == "transpose":
+            tensors[target] = t.t().contiguous()
+        elif edit == "empty":
+            tensors[target] = t[:0].clone()
+        save_file(tensors, path / "adapter_model.safetensors")
+        t0 = time.monotonic()
+        r = admin(live, "load_lora_adapter", {"lora_name": "fuzzed", "lora_path": str(path)})
+        assert time.monotonic() - t0 < 10, (edits, edit)
+        assert r.status_code in (200, 400), (edits, edit, r.text)
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"], r.text
+        else:
+            out = httpx.post(live["url"] + "/v1/completions", json={**body, "model": "fuzzed"}, headers=headers,
+                             timeout=60)
+            assert out.status_code in (200, 500), out.text  # 500: its own logits not finite, alone
+            assert admin(live, "unload_lora_adapter", {"lora_name": "fuzzed"}).status_code == 200
+        r = httpx.post(live["url"] + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+
+    run()
+    assert httpx.get(live["url"] + "/health").status_code == 200

@@ -17,9 +17,11 @@ Only safetensors are read; a pickled `adapter_model.bin` is refused.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import re2
 import torch
@@ -57,12 +59,50 @@ def read_adapter_config(path: str | Path) -> dict:
                                "(`PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True)`).")
         raise AdapterError(f"{path} has no {WEIGHTS_FILE}")
     try:
-        return json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{cfg_file}: invalid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    if not isinstance(cfg.get("peft_type", ""), str):
+        raise AdapterError(f"{cfg_file}: peft_type={cfg['peft_type']!r} must be a string")
+    return cfg
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# the config keys glm5 reads, each with PEFT's type (a null is PEFT's default for every one of them)
+_CONFIG_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "r": (lambda v: _is_int(v) and v >= 1, "a positive integer"),
+    "lora_alpha": (_is_number, "a finite number"),
+    "lora_dropout": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "target_modules": (lambda v: isinstance(v, str) or _strs(v), "a regex string or a list of module names"),
+    "target_parameters": (_strs, "a list of parameter names"),
+    "exclude_modules": (lambda v: isinstance(v, str) or _strs(v), "a regex string or a list of module names"),
+    "layers_to_transform": (lambda v: _is_int(v) or isinstance(v, list) and all(_is_int(x) for x in v),
+                            "a layer index or a list of them"),
+    "rank_pattern": (lambda v: isinstance(v, dict) and all(_is_int(x) for x in v.values()),
+                     "an object of pattern -> rank (integer)"),
+    "alpha_pattern": (lambda v: isinstance(v, dict) and all(_is_number(x) for x in v.values()),
+                      "an object of pattern -> alpha (finite number)"),
+}
 
 
 def _check_lora_config(cfg: dict, where: Path) -> None:
+    for key, (ok, what) in _CONFIG_TYPES.items():
+        if cfg.get(key) is not None and not ok(cfg[key]):
+            raise AdapterError(f"{where}/{CONFIG_FILE}: {key}={cfg[key]!r} must be {what}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{where}/{CONFIG_FILE}: peft_type {cfg.get('peft_type')!r} is not a LoRA adapter")
     for key, neutral in _UNSUPPORTED.items():
@@ -123,7 +163,8 @@ def peft_targets(model: torch.nn.Module, cfg: dict) -> list[Target]:
     exclude = cfg.get("exclude_modules") or []
     layers = cfg.get("layers_to_transform")
     layers = {layers} if isinstance(layers, int) else set(layers or [])
-    r, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
+    r = int(8 if cfg.get("r") is None else cfg["r"])  # PEFT's defaults
+    alpha = float(8 if cfg.get("lora_alpha") is None else cfg["lora_alpha"])
     linears, experts = candidates(model)
     picked: list[tuple[str, str | None]] = []
     for name in linears:
