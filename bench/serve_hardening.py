@@ -377,7 +377,7 @@ async def _probe_all(server: Server, adapters: dict[str, Path], _fuzz, ocr: bool
             except Exception as e:  # a timeout, a dropped connection: not handled
                 good, detail = False, f"{type(e).__name__}: {e}"[:200]
             cases.append({"case": name, "handled": good, "s": round(time.monotonic() - t, 2),
-                          **({} if good else {"detail": detail})})
+                          **({"detail": detail} if not good or name.startswith("tenant") else {})})
 
         def error(status: int, *words: str):
             return lambda r: r.status_code == status and all(w in r.text for w in words)
@@ -457,8 +457,9 @@ async def _probe_all(server: Server, adapters: dict[str, Path], _fuzz, ocr: bool
             rss_after.append(round(server.rss_mib(), 1))
         final = (await h.post("/v1/completions", json=greedy, headers=b)).json()["choices"][0]["text"] == reference
     failed = [c for c in cases if not c["handled"]]
+    floods = [c["detail"] for c in cases if c["case"].startswith("tenant")]
     return {"cases": len(cases), "handled": len(cases) - len(failed), "failed": len(failed), "failures": failed,
-            "slowest_case": max(cases, key=lambda c: c["s"]),
+            "slowest_case": max(cases, key=lambda c: c["s"]), "tenant_floods": floods,
             "health_during": _p99(health),
             "slowest_health": [{"ms": round(1000 * d), "during": c} for d, _, c in sorted(health_at)[-3:]],
             "small_greedy_during": _p99(small), "small_wrong": small_wrong,
