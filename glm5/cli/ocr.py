@@ -7,7 +7,8 @@
 `--rounds 0` is the recogniser alone, 1 adds re-recognition of doubtful lines, 2+ adds language-model
 rounds with `--model` (a glm5 checkpoint directory with its tokenizer). JSON holds blocks, lines,
 boxes, confidences, reading order and every correction. A file that is not a readable image is
-reported and skipped (exit status 1); the other files are still read.
+reported and skipped (exit status 1); the other files are still read, and so is a page over the
+work budget (`--max-work-mpx`) or the per-page time limit (`--timeout-s`; none by default).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=None, help="confidence under which a line is doubtful")
     p.add_argument("--lm-weight", type=float, default=None, help="language model weight vs the recogniser")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0 = default)")
+    p.add_argument("--max-work-mpx", type=float, default=None, help="refuse pages whose estimated recogniser "
+                   "work exceeds this many megapixels (default 64; 0 = no limit)")
+    p.add_argument("--timeout-s", type=float, default=None, help="stop a page after this many seconds "
+                   "(default: no limit)")
     p.add_argument("--output", default=None, help="write here instead of stdout")
     return p.parse_args(argv)
 
@@ -37,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from glm5.apps.ocr.agent import OcrAgent, OcrConfig  # noqa: PLC0415 - keep `glm5 --help` cheap
     from glm5.apps.ocr.image import ImageError, read_image_file  # noqa: PLC0415
+    from glm5.apps.ocr.limits import OcrOverBudget, OcrTimeout  # noqa: PLC0415
     from glm5.apps.ocr.perception import OcrUnavailable  # noqa: PLC0415
     from glm5.apps.ocr.render import to_json, to_markdown, to_text  # noqa: PLC0415
 
-    opts = {k: v for k, v in (("threshold", args.threshold), ("lm_weight", args.lm_weight)) if v is not None}
+    opts = {k: v for k, v in (("threshold", args.threshold), ("lm_weight", args.lm_weight),
+                              ("timeout_s", args.timeout_s)) if v is not None}
+    if args.max_work_mpx is not None:
+        opts["max_work_mpx"] = args.max_work_mpx or None
     try:
         model = args.model
         if args.rounds >= 2 and not args.no_model:
@@ -56,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     outputs, failed = [], 0
     for path in args.images:
         try:
-            res = agent.read(read_image_file(path, agent.config.max_pixels), Path(path).name)
-        except ImageError as e:
+            res = agent.read(read_image_file(path, agent.config.max_pixels), Path(path).name,
+                             deadline=agent.deadline())
+        except (ImageError, OcrOverBudget, OcrTimeout) as e:
             print(f"glm5 ocr: {e}", file=sys.stderr)
             failed += 1
             continue
