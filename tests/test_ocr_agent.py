@@ -4,12 +4,14 @@ three formats and reports bad files without stopping."""
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("rapidocr_onnxruntime")
 
-from glm5.apps.ocr.agent import OcrAgent, OcrConfig  # noqa: E402
-from glm5.apps.ocr.image import ImageError  # noqa: E402
+from glm5.apps.ocr.agent import MAX_WORK_MPX, OcrAgent, OcrConfig  # noqa: E402
+from glm5.apps.ocr.image import ImageError, load_image  # noqa: E402
+from glm5.apps.ocr.limits import Deadline, OcrOverBudget, OcrTimeout, WorkEstimate  # noqa: E402
 from glm5.apps.ocr.metrics import cer  # noqa: E402
 from glm5.apps.ocr.render import to_json, to_markdown  # noqa: E402
 from glm5.cli import ocr as ocr_cli  # noqa: E402
@@ -66,3 +68,85 @@ def test_cli_formats_and_bad_files(tmp_path, capsys):
     assert rc == 1 and "notes.txt: not a supported image" in captured.err
     assert "lazy dog" in captured.out
     assert ocr_cli.main([str(img), "--rounds", "-1"]) == 2
+
+
+# ---------------------------------------------------------------- limits (glm5/apps/ocr/limits.py)
+
+MANY = [f"Line {k} of a longer page of text" for k in range(20)]  # 20 lines: 3 recogniser batches
+
+
+class CountingSession:
+    """The recogniser's onnxruntime session, counting runs and advancing a fake clock by 1 s per run."""
+
+    def __init__(self, session, now: list[float]):
+        self.session, self.now, self.runs = session, now, 0
+
+    def run(self, *args, **kwargs):
+        self.runs += 1
+        self.now[0] += 1.0
+        return self.session.run(*args, **kwargs)
+
+
+@pytest.fixture
+def counted(agent, monkeypatch):
+    now = [0.0]
+    session = CountingSession(agent.perception.recognizer.session, now)
+    monkeypatch.setattr(agent.perception.recognizer, "session", session)
+    return session, now
+
+
+def test_deadline_stops_recognition_between_batches(agent, counted):
+    session, now = counted
+    deadline = Deadline(1.5, clock=lambda: now[0])  # passes after the 2nd batch (1 fake second each)
+    with pytest.raises(OcrTimeout, match=r"recognition stage: .* limit of 1\.5 s") as e:
+        agent.read_bytes(text_png(MANY), "many.png", deadline=deadline)
+    assert e.value.stage == "recognition" and session.runs == 2
+    assert agent._lock.acquire(blocking=False)  # the page is given up: the agent is free again
+    agent._lock.release()
+
+
+def test_deadline_in_round_one_and_no_deadline(agent, counted):
+    session, now = counted
+    n = len(agent.read_bytes(text_png(MANY), rounds=0).lines)  # no deadline: reads through
+    batches0 = session.runs
+    assert n >= 17 and batches0 >= 3
+    deadline = Deadline(batches0 + 0.5, clock=lambda: now[0])  # round 0 fits, round 1 does not
+    with pytest.raises(OcrTimeout) as e:
+        agent.read_bytes(text_png(MANY), rounds=1, deadline=deadline)
+    assert e.value.stage in ("re-recognition", "layout")
+
+
+def test_work_budget_refuses_before_recognition(agent, counted):
+    session, _ = counted
+    png = text_png(MANY)
+    rgb = load_image(png)
+    est = WorkEstimate.of(agent.perception.detector(np.ascontiguousarray(rgb[:, :, ::-1])))
+    assert est.lines >= 17 and 0 < est.total(0) < est.total(1)
+    limit = (est.total(0) + est.total(1)) / 2  # rounds=0 fits, rounds=1 does not
+    strict = OcrAgent(OcrConfig(rounds=1, max_work_mpx=limit), perception=agent.perception)
+    with pytest.raises(OcrOverBudget, match=r"many\.png: .* more than the limit max_work_mpx=.*with rounds=0 it "
+                                             r"needs") as e:
+        strict.read_bytes(png, "many.png")
+    assert e.value.estimate == est and session.runs == 0  # refused before any line was recognised
+    assert "Line 19" in strict.read_bytes(png, rounds=0).reading_text()
+
+
+def test_limits_config_is_validated(agent):
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="max_work_mpx"):
+            OcrConfig(max_work_mpx=bad)
+        with pytest.raises(ValueError, match="timeout_s"):
+            OcrConfig(timeout_s=bad)
+        with pytest.raises(ValueError, match="timeout_s"):
+            Deadline(bad)
+    assert OcrConfig().timeout_s is None and OcrConfig().max_work_mpx == MAX_WORK_MPX > 0
+    assert OcrAgent(OcrConfig(), perception=agent.perception).deadline() is None  # no limit by default
+    now = [100.0]
+    d = Deadline(5, clock=lambda: now[0])
+    assert d.start == 100.0 and d.remaining() == 5
+    d.check("x")
+    now[0] = 105.0  # exactly at the limit: passed
+    with pytest.raises(OcrTimeout, match="at the x stage: .* limit of 5 s"):
+        d.check("x")
+    d = OcrAgent(OcrConfig(timeout_s=7.5), perception=agent.perception).deadline()
+    assert d.limit_s == 7.5 and 0 < d.remaining() <= 7.5
