@@ -4,18 +4,17 @@ three formats and reports bad files without stopping."""
 
 import json
 
-import numpy as np
 import pytest
 
 pytest.importorskip("rapidocr_onnxruntime")
 
 from glm5.apps.ocr.agent import MAX_WORK_MPX, OcrAgent, OcrConfig  # noqa: E402
-from glm5.apps.ocr.image import ImageError, load_image  # noqa: E402
-from glm5.apps.ocr.limits import Deadline, OcrOverBudget, OcrTimeout, WorkEstimate  # noqa: E402
+from glm5.apps.ocr.image import ImageError  # noqa: E402
+from glm5.apps.ocr.limits import Deadline, OcrOverBudget, OcrTimeout  # noqa: E402
 from glm5.apps.ocr.metrics import cer  # noqa: E402
 from glm5.apps.ocr.render import to_json, to_markdown  # noqa: E402
 from glm5.cli import ocr as ocr_cli  # noqa: E402
-from tests._ocr_images import LINES, blank_png, text_png  # noqa: E402
+from tests._ocr_images import LINES, MANY, CountingSession, blank_png, estimate, text_png  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,21 +71,6 @@ def test_cli_formats_and_bad_files(tmp_path, capsys):
 
 # ---------------------------------------------------------------- limits (glm5/apps/ocr/limits.py)
 
-MANY = [f"Line {k} of a longer page of text" for k in range(20)]  # 20 lines: 3 recogniser batches
-
-
-class CountingSession:
-    """The recogniser's onnxruntime session, counting runs and advancing a fake clock by 1 s per run."""
-
-    def __init__(self, session, now: list[float]):
-        self.session, self.now, self.runs = session, now, 0
-
-    def run(self, *args, **kwargs):
-        self.runs += 1
-        self.now[0] += 1.0
-        return self.session.run(*args, **kwargs)
-
-
 @pytest.fixture
 def counted(agent, monkeypatch):
     now = [0.0]
@@ -119,8 +103,7 @@ def test_deadline_in_round_one_and_no_deadline(agent, counted):
 def test_work_budget_refuses_before_recognition(agent, counted):
     session, _ = counted
     png = text_png(MANY)
-    rgb = load_image(png)
-    est = WorkEstimate.of(agent.perception.detector(np.ascontiguousarray(rgb[:, :, ::-1])))
+    est = estimate(agent, png)
     assert est.lines >= 17 and 0 < est.total(0) < est.total(1)
     limit = (est.total(0) + est.total(1)) / 2  # rounds=0 fits, rounds=1 does not
     strict = OcrAgent(OcrConfig(rounds=1, max_work_mpx=limit), perception=agent.perception)
@@ -150,3 +133,51 @@ def test_limits_config_is_validated(agent):
         d.check("x")
     d = OcrAgent(OcrConfig(timeout_s=7.5), perception=agent.perception).deadline()
     assert d.limit_s == 7.5 and 0 < d.remaining() <= 7.5
+
+
+# ---------------------------------------------------------------- the limits on `glm5 ocr`
+
+@pytest.mark.parametrize("flag,value", [("--max-work-mpx", "0"), ("--max-work-mpx", "-1"), ("--max-work-mpx", "nan"),
+                                        ("--timeout-s", "0"), ("--timeout-s", "-2.5")])
+def test_cli_limit_flags_must_be_positive(tmp_path, capsys, flag, value):
+    img = tmp_path / "page.png"
+    img.write_bytes(text_png())
+    assert ocr_cli.main([str(img), "--rounds", "0", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"glm5 ocr: {flag}: must be > 0 ")
+
+
+def test_cli_over_budget_page_is_reported_and_the_others_read(agent, tmp_path, capsys):
+    small, many = text_png(), text_png(MANY)
+    limit = (estimate(agent, small).total(0) + estimate(agent, many).total(0)) / 2  # the small page fits
+    (tmp_path / "many.png").write_bytes(many)
+    (tmp_path / "small.png").write_bytes(small)
+    rc = ocr_cli.main([str(tmp_path / "many.png"), str(tmp_path / "small.png"), "--format", "txt", "--rounds", "0",
+                       "--threads", "1", "--max-work-mpx", f"{limit:.6f}"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("glm5 ocr: many.png: reading this page needs an estimated ")
+    assert f"more than the limit max_work_mpx={float(f'{limit:.6f}'):g}." in captured.err
+    assert "lazy dog" in captured.out and "Line 19" not in captured.out  # the later file is still read
+    rc = ocr_cli.main([str(tmp_path / "many.png"), "--format", "txt", "--rounds", "0", "--threads", "1",
+                       "--max-work-mpx", "inf"])
+    assert rc == 0 and "Line 19" in capsys.readouterr().out  # inf: no limit
+
+
+def test_cli_timeout_names_the_file(tmp_path, capsys, monkeypatch):
+    ticks = [0.0]
+
+    def clock():  # every reading of the clock is one second later: the page runs out at its first checks
+        ticks[0] += 1.0
+        return ticks[0]
+
+    monkeypatch.setattr(OcrAgent, "clock", staticmethod(clock))
+    (tmp_path / "a.png").write_bytes(text_png())
+    (tmp_path / "b.png").write_bytes(blank_png())
+    rc = ocr_cli.main([str(tmp_path / "a.png"), str(tmp_path / "b.png"), "--rounds", "0", "--threads", "1",
+                       "--timeout-s", "2.5"])
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 1 and len(err) == 2, err
+    for line, name in zip(err, ("a.png", "b.png")):
+        assert line.startswith(f"glm5 ocr: {name}: OCR stopped at the ") and "limit of 2.5 s" in line

@@ -19,6 +19,7 @@ for the page before. Pages of `trim_memory_px` pixels or more hand freed heap pa
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,9 +102,12 @@ class OcrAgent:
         self.scorer = scorer
         self._lock = threading.Lock()
 
+    clock = staticmethod(time.monotonic)
+    """What deadlines are measured on (seconds, monotonic); the tests set a fake one."""
+
     def deadline(self) -> Deadline | None:
         """A deadline of `timeout_s` from now (None without a limit): make it when the request arrives."""
-        return Deadline.after(self.config.timeout_s)
+        return Deadline.after(self.config.timeout_s, self.clock)
 
     def read_bytes(self, data: bytes, name: str = "image", rounds: int | None = None,
                    deadline: Deadline | None = None) -> PageResult:
@@ -125,7 +129,7 @@ class OcrAgent:
         # one page at a time: a request that cannot start before its deadline gives up waiting
         if deadline is None:
             self._lock.acquire()
-        elif not self._lock.acquire(timeout=max(0.0, deadline.remaining())):
+        elif not self._lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline.remaining()))):
             raise OcrTimeout(deadline.limit_s, "queue (waiting for the page before)")
         try:
             return self._read(rgb, name, rounds, deadline)

@@ -96,9 +96,9 @@ class Deadline:
             self.start = self.clock()
 
     @classmethod
-    def after(cls, limit_s: float | None) -> "Deadline | None":
-        """A deadline `limit_s` from now; None (no limit) for None."""
-        return None if limit_s is None else cls(limit_s)
+    def after(cls, limit_s: float | None, clock: Callable[[], float] = time.monotonic) -> "Deadline | None":
+        """A deadline `limit_s` from now on `clock`; None (no limit) for None."""
+        return None if limit_s is None else cls(limit_s, clock)
 
     def remaining(self) -> float:
         return self.limit_s - (self.clock() - self.start)
