@@ -161,8 +161,8 @@ def test_cli_over_budget_page_is_reported_and_the_others_read(agent, tmp_path, c
     assert f"more than the limit max_work_mpx={float(f'{limit:.6f}'):g}." in captured.err
     assert "lazy dog" in captured.out and "Line 19" not in captured.out  # the later file is still read
     rc = ocr_cli.main([str(tmp_path / "many.png"), "--format", "txt", "--rounds", "0", "--threads", "1",
-                       "--max-work-mpx", "inf"])
-    assert rc == 0 and "Line 19" in capsys.readouterr().out  # inf: no limit
+                       "--max-work-mpx", "inf", "--timeout-s", "inf"])
+    assert rc == 0 and "Line 19" in capsys.readouterr().out  # inf: no limit (and no OverflowError waiting)
 
 
 def test_cli_timeout_names_the_file(tmp_path, capsys, monkeypatch):
