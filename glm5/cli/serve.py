@@ -4,7 +4,8 @@
                [--lora NAME=DIR ...] [--max-loras N] [--tool-call-parser auto|glm45|glm47]
                [--config serve.toml] [--engine.max_num_seqs=64 |
                --max_num_seqs=64] [--server.key=value]
-               [--ocr [--ocr-model CKPT] [--ocr-rounds N]]   # POST /v1/ocr and image_url chat parts
+               [--ocr [--ocr-model CKPT] [--ocr-rounds N]    # POST /v1/ocr and image_url chat parts
+                      [--ocr-max-work-mpx MPX] [--ocr-timeout-s S]]  # per-page limits (docs/ocr.md)
 
 `--config` is a TOML file with `[engine]` (EngineConfig) and `[server]` (ServerConfig) tables. Engine and
 server fields can be overridden as `--engine.key=value` / `--server.key=value`, or flat as `--key=value`
@@ -123,12 +124,22 @@ def _qualify(pairs: list[str]) -> list[str]:
 
 
 def parse_ocr_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """`--ocr [--ocr-model CKPT] [--ocr-rounds N]`: answer image_url parts and POST /v1/ocr with the OCR agent."""
+    """`--ocr [--ocr-model CKPT] [--ocr-rounds N] [--ocr-max-work-mpx MPX] [--ocr-timeout-s S]`: answer
+    image_url parts and POST /v1/ocr with the OCR agent; a page over the work budget is a 413, one not
+    read within the timeout a 504 (0 turns either limit off)."""
+    from glm5.apps.ocr.agent import MAX_WORK_MPX  # noqa: PLC0415 - numpy only, no OCR extra needed
+
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--ocr", action="store_true")
     p.add_argument("--ocr-model", default=None)
     p.add_argument("--ocr-rounds", type=int, default=2)
+    p.add_argument("--ocr-max-work-mpx", type=float, default=MAX_WORK_MPX)
+    p.add_argument("--ocr-timeout-s", type=float, default=OCR_TIMEOUT_S)
     return p.parse_known_args(argv)
+
+
+OCR_TIMEOUT_S = 120.0
+"""Default deadline of one page on the server (a dense 6000 x 6000 page took ~140 s before the limits)."""
 
 
 def main(argv: list[str]) -> int:
@@ -154,7 +165,13 @@ def main(argv: list[str]) -> int:
     if ocr_args.ocr:
         from glm5.apps.ocr import server as ocr_server
         from glm5.apps.ocr.agent import OcrAgent, OcrConfig
-        agent = OcrAgent(OcrConfig(rounds=ocr_args.ocr_rounds, model=ocr_args.ocr_model))
+        try:
+            agent = OcrAgent(OcrConfig(rounds=ocr_args.ocr_rounds, model=ocr_args.ocr_model,
+                                       max_work_mpx=ocr_args.ocr_max_work_mpx or None,
+                                       timeout_s=ocr_args.ocr_timeout_s or None))
+        except ValueError as e:
+            print(f"glm5 serve: --ocr: {e}")
+            return 2
         reader = lambda url: ocr_server.image_part_text(agent, url)  # noqa: E731
     app = create_app(engine, config=server_cfg, on_engine_failure=lambda e: server.engine_failed(e),
                      image_reader=reader, on_idle=trim_malloc)  # quiet again: give the peak's pages back

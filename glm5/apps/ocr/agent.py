@@ -9,19 +9,31 @@ crops. Rounds 2..N ask the language model (`OcrConfig.model`, a glm5 checkpoint 
 about the lines that are still doubtful; they stop early when no line changed or every doubtful
 line is settled. Without a model, rounds past 1 are skipped (and the summary says so). Every text
 change is a `Change` (round, line, before, after, why) in the result.
+
+Limits (glm5/apps/ocr/limits.py): after detection, before any line is recognised, the page's estimated
+recogniser work is checked against `OcrConfig.max_work_mpx` (`OcrOverBudget`); a `Deadline` passed to
+`read` / `read_bytes` is checked between stages, batches and lines (`OcrTimeout`), also while waiting
+for the page before. Pages of `trim_memory_px` pixels or more hand freed heap pages back to the OS.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from glm5.apps.ocr import correct, layout
 from glm5.apps.ocr.image import MAX_PIXELS, load_image
+from glm5.apps.ocr.limits import Deadline, OcrOverBudget, OcrTimeout, WorkEstimate, check
 from glm5.apps.ocr.perception import Perception
 from glm5.apps.ocr.render import PageResult
+from glm5.infer.malloc import trim_malloc
+
+MAX_WORK_MPX = 32.0
+"""Default recogniser budget: about 100 s of recognition on the 2-core CPU of docs/ocr.md (~0.3 Mpx/s);
+the evaluation pages (960 x 1240, 26-71 lines) estimate 3-8 Mpx at rounds=1 (docs/ocr.md)."""
 
 
 @dataclass(kw_only=True)
@@ -51,10 +63,22 @@ class OcrConfig:
     """onnxruntime threads (0 = its default)."""
     max_pixels: int = MAX_PIXELS
     """Larger images are refused (decompression-bomb guard)."""
+    max_work_mpx: float | None = MAX_WORK_MPX
+    """Most recogniser work (millions of 48-px-high crop pixels, rounds 0-1, estimated after detection)
+    one page may take; over it `OcrOverBudget` before recognition starts. None = no limit."""
+    timeout_s: float | None = None
+    """Wall-clock limit for one page (`deadline()`); None = none. `glm5 serve` sets one."""
+    trim_memory_px: int | None = 4_000_000
+    """After a page of at least this many pixels, return freed heap memory to the OS (`trim_malloc`);
+    None = never."""
 
     def __post_init__(self):
         if self.rounds < 0:
             raise ValueError("rounds: must be >= 0")
+        if self.max_work_mpx is not None and not self.max_work_mpx > 0:
+            raise ValueError(f"max_work_mpx: must be > 0 (or None for no limit), got {self.max_work_mpx}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0 seconds (or None for no limit), got {self.timeout_s}")
         if not 0.0 < self.threshold <= 1.0:
             raise ValueError("threshold: must be in (0, 1]")
         self.lm_rule  # validates the language-model fields
@@ -78,36 +102,68 @@ class OcrAgent:
         self.scorer = scorer
         self._lock = threading.Lock()
 
-    def read_bytes(self, data: bytes, name: str = "image", rounds: int | None = None) -> PageResult:
-        """Encoded image -> result; `ImageError` for anything that is not a readable image."""
-        return self.read(load_image(data, name, self.config.max_pixels), name, rounds)
+    clock = staticmethod(time.monotonic)
+    """What deadlines are measured on (seconds, monotonic); the tests set a fake one."""
 
-    def read(self, rgb: np.ndarray, name: str = "image", rounds: int | None = None) -> PageResult:
+    def deadline(self) -> Deadline | None:
+        """A deadline of `timeout_s` from now (None without a limit): make it when the request arrives."""
+        return Deadline.after(self.config.timeout_s, self.clock)
+
+    def read_bytes(self, data: bytes, name: str = "image", rounds: int | None = None,
+                   deadline: Deadline | None = None) -> PageResult:
+        """Encoded image -> result; `ImageError` for anything that is not a readable image,
+        `OcrOverBudget` / `OcrTimeout` past the limits."""
+        rgb = load_image(data, name, self.config.max_pixels)
+        pixels = rgb.shape[0] * rgb.shape[1]
+        try:
+            return self.read(rgb, name, rounds, deadline)
+        finally:
+            del rgb  # the page and its copies are garbage now: let the trim below return their pages
+            if self.config.trim_memory_px is not None and pixels >= self.config.trim_memory_px:
+                trim_malloc()
+
+    def read(self, rgb: np.ndarray, name: str = "image", rounds: int | None = None,
+             deadline: Deadline | None = None) -> PageResult:
         """[H, W, 3] uint8 RGB page -> result (`rounds` overrides the configured number)."""
         rounds = self.config.rounds if rounds is None else rounds
-        with self._lock:
-            return self._read(rgb, name, rounds)
+        # one page at a time: a request that cannot start before its deadline gives up waiting
+        if deadline is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=min(threading.TIMEOUT_MAX, max(0.0, deadline.remaining()))):
+            raise OcrTimeout(deadline.limit_s, "queue (waiting for the page before)")
+        try:
+            return self._read(rgb, name, rounds, deadline)
+        finally:
+            self._lock.release()
 
-    def _read(self, rgb: np.ndarray, name: str, rounds: int) -> PageResult:
+    def _read(self, rgb: np.ndarray, name: str, rounds: int, deadline: Deadline | None) -> PageResult:
         cfg = self.config
+        check(deadline, "decoding")
         bgr = np.ascontiguousarray(rgb[:, :, ::-1])
-        lines = self.perception(rgb)
+        quads = self.perception.detector(bgr)
+        check(deadline, "detection")
+        estimate = WorkEstimate.of(quads)
+        if cfg.max_work_mpx is not None and estimate.total(rounds) > cfg.max_work_mpx:
+            raise OcrOverBudget(name, estimate, rounds, cfg.max_work_mpx)
+        lines = self.perception.recognise(bgr, quads, deadline)
         summaries = [{"round": 0, "kind": "recognition", "lines": len(lines),
                       "doubtful_after": sum(correct.doubtful(ln, cfg.threshold) for ln in lines)}]
         changes = []
         if rounds >= 1:
-            found, summary = correct.rerecognise(lines, bgr, self.perception.recognizer, cfg.threshold)
+            found, summary = correct.rerecognise(lines, bgr, self.perception.recognizer, cfg.threshold,
+                                                 deadline=deadline)
             changes += found
             summaries.append(summary)
+        check(deadline, "layout")
         res = PageResult(rgb.shape[1], rgb.shape[0], lines, layout.analyse(lines, bgr), changes, summaries, name)
         if rounds >= 2 and self.scorer is None:
             res.rounds.append({"round": 2, "kind": "language-model", "skipped": "no correction model configured"})
         elif rounds >= 2:
-            self.lm_rounds(res, bgr, rounds, self.config.lm_rule)
+            self.lm_rounds(res, bgr, rounds, self.config.lm_rule, deadline=deadline)
         return res
 
     def lm_rounds(self, res: PageResult, bgr: np.ndarray | None, rounds: int, rule: correct.LmRule,
-                  scorer=None) -> bool:
+                  scorer=None, deadline: Deadline | None = None) -> bool:
         """Language-model rounds 2..rounds on a page read through round 1, in place (`scorer`
         defaults to the agent's); True when some line changed (the layout is then analysed again)."""
         scorer = scorer or self.scorer
@@ -116,7 +172,8 @@ class OcrAgent:
         code = {i for b in res.layout.blocks if b.kind == "code" for i in b.lines}
         settled: set[int] = set()
         for round_no in range(2, rounds + 1):
-            changes, summary = correct.lm_correct(res.lines, order, block_of, scorer, rule, settled, round_no, code)
+            changes, summary = correct.lm_correct(res.lines, order, block_of, scorer, rule, settled, round_no, code,
+                                                 deadline)
             res.changes += changes
             res.rounds.append(summary)
             if not changes:

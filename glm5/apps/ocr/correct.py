@@ -23,6 +23,7 @@ from difflib import SequenceMatcher
 import numpy as np
 
 from glm5.apps.ocr import ctc
+from glm5.apps.ocr.limits import Deadline, check
 from glm5.apps.ocr.perception import Line, Reading, Recognizer, crop_line
 from glm5.apps.ocr.render import Change, join_lines
 
@@ -78,15 +79,17 @@ def _deskew(image: np.ndarray, binary: np.ndarray) -> tuple[np.ndarray, float]:
 
 
 def rerecognise(lines: list[Line], bgr: np.ndarray, recognizer: Recognizer, threshold: float,
-                round_no: int = 1) -> tuple[list[Change], dict]:
-    """Round 1 over all doubtful lines; replaces readings in place, returns changes and a summary."""
+                round_no: int = 1, deadline: Deadline | None = None) -> tuple[list[Change], dict]:
+    """Round 1 over all doubtful lines; replaces readings in place, returns changes and a summary.
+    `deadline` is checked between lines while cropping and between the recogniser's batches."""
     todo = [i for i, ln in enumerate(lines) if doubtful(ln, threshold)]
     crops, owners = [], []
     for i in todo:
+        check(deadline, "re-recognition")
         for name, img in crop_variants(bgr, lines[i].quad):
             crops.append(img)
             owners.append((i, name))
-    readings = recognizer(crops) if crops else []
+    readings = recognizer(crops, deadline, "re-recognition") if crops else []
     best: dict[int, tuple[float, str, Reading]] = {}
     for (i, name), r in zip(owners, readings):
         s = slot_score(r)
@@ -268,12 +271,15 @@ class LmRule:
 
 
 def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], scorer, rule: LmRule,
-               settled: set[int], round_no: int, code_lines: set[int] = frozenset()) -> tuple[list[Change], dict]:
-    """One language-model round over the doubtful, unsettled lines (in reading order)."""
+               settled: set[int], round_no: int, code_lines: set[int] = frozenset(),
+               deadline: Deadline | None = None) -> tuple[list[Change], dict]:
+    """One language-model round over the doubtful, unsettled lines (in reading order); `deadline` is
+    checked before each line is scored."""
     changes, examined = [], 0
     for pos, i in enumerate(order):
         if i in settled:
             continue
+        check(deadline, f"language-model round {round_no}")
         slots = (merged_slots(lines[i].reading, lines[i].alternatives) if rule.alternatives
                  else lines[i].reading.slots)
         if not any(s.conf < rule.threshold for s in slots):

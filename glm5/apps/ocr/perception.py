@@ -14,13 +14,18 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from glm5.apps.ocr import ctc
 
+if TYPE_CHECKING:
+    from glm5.apps.ocr.limits import Deadline
+
 REC_HEIGHT = 48  # the recogniser's input height
 MAX_RATIO = 80  # widest crop (width / height) fed in one piece
+MIN_BATCH_WIDTH = 320  # batches are padded to at least this width
 
 
 class OcrUnavailable(RuntimeError):
@@ -103,11 +108,15 @@ class Recognizer:
         self.input_name = self.session.get_inputs()[0].name
         self.batch_size = batch_size
 
-    def __call__(self, crops: list[np.ndarray]) -> list[Reading]:
-        """crops: BGR uint8 [h, w, 3] line images, any size -> one Reading each (same order)."""
+    def __call__(self, crops: list[np.ndarray], deadline: Deadline | None = None,
+                 stage: str = "recognition") -> list[Reading]:
+        """crops: BGR uint8 [h, w, 3] line images, any size -> one Reading each (same order). The
+        deadline is checked before every batch (`OcrTimeout` naming `stage`)."""
         order = sorted(range(len(crops)), key=lambda i: crops[i].shape[1] / max(1, crops[i].shape[0]))
         out: list[Reading | None] = [None] * len(crops)
         for start in range(0, len(order), self.batch_size):
+            if deadline is not None:
+                deadline.check(stage)
             idx = order[start:start + self.batch_size]
             batch, widths = self._batch([crops[i] for i in idx])
             probs = self.session.run(None, {self.input_name: batch})[0]  # [B, T, C]
@@ -124,7 +133,7 @@ class Recognizer:
 
         widths = [min(REC_HEIGHT * MAX_RATIO, max(8, math.ceil(REC_HEIGHT * c.shape[1] / max(1, c.shape[0]))))
                   for c in crops]
-        width = max(320, max(widths))
+        width = max(MIN_BATCH_WIDTH, max(widths))
         batch = np.zeros((len(crops), 3, REC_HEIGHT, width), dtype=np.float32)  # [B, 3, 48, W]
         for k, (c, w) in enumerate(zip(crops, widths)):
             img = cv2.resize(c, (w, REC_HEIGHT), interpolation=cv2.INTER_LINEAR).astype(np.float32)
@@ -193,6 +202,9 @@ class Perception:
 
     def __call__(self, rgb: np.ndarray) -> list[Line]:
         bgr = np.ascontiguousarray(rgb[:, :, ::-1])
-        quads = self.detector(bgr)
-        readings = self.recognizer([crop_line(bgr, q) for q in quads])
+        return self.recognise(bgr, self.detector(bgr))
+
+    def recognise(self, bgr: np.ndarray, quads: list[np.ndarray], deadline: Deadline | None = None) -> list[Line]:
+        """Detected quads on a BGR page -> `Line`s (same order), checking `deadline` between batches."""
+        readings = self.recognizer([crop_line(bgr, q) for q in quads], deadline)
         return [Line(q, r) for q, r in zip(quads, readings)]

@@ -6,7 +6,10 @@ answers `{"object": "ocr.page", "format", "text", "page"}` (`page` = the JSON re
 chat, every `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}` part becomes
 a text part holding the page's Markdown, so the model answers with the OCR text in its prompt.
 
-Errors follow the server's OpenAI error format: an unreadable image is a 400 naming the problem.
+Errors follow the server's OpenAI error format: an unreadable image is a 400 naming the problem; a
+page whose estimated recognition work exceeds `OcrConfig.max_work_mpx` is a 413 (code
+`ocr_work_limit`) before any line is read; a page not read within `OcrConfig.timeout_s` is a 504
+(code `ocr_timeout`), and its worker thread stops at the next check (glm5/apps/ocr/limits.py).
 OCR runs in a worker thread; the event loop keeps serving other requests meanwhile.
 """
 
@@ -21,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from glm5.apps.ocr.agent import OcrAgent
 from glm5.apps.ocr.image import ImageError, decode_base64, decode_data_url
+from glm5.apps.ocr.limits import OcrOverBudget, OcrTimeout
 from glm5.apps.ocr.render import PageResult, to_json, to_markdown, to_text
 from glm5.serve.common import APIError
 
@@ -41,10 +45,24 @@ def render(res: PageResult, fmt: str) -> dict:
 
 
 def image_part_text(agent: OcrAgent, url: str) -> str:
-    """An `image_url` URL -> the text that replaces the part in the prompt (raises ImageError)."""
-    res = agent.read_bytes(decode_data_url(url), "image_url")
+    """An `image_url` URL -> the text that replaces the part in the prompt (raises ImageError; an
+    `APIError` 413 / 504 past the agent's work budget or deadline, which starts here, per image)."""
+    deadline = agent.deadline()
+    try:
+        res = agent.read_bytes(decode_data_url(url), "image_url", deadline=deadline)
+    except (OcrOverBudget, OcrTimeout) as e:
+        raise limit_error(e, "messages") from e
     body = to_markdown(res).strip()
     return f"[image: OCR text]\n{body}\n[end of image]" if body else "[image: no text found]"
+
+
+def limit_error(e: OcrOverBudget | OcrTimeout, param: str) -> APIError:
+    """The API error for a page past the agent's limits, with the server flag that raises each."""
+    if isinstance(e, OcrOverBudget):
+        return APIError(413, f"{e} (server limit: glm5 serve --ocr-max-work-mpx)", param=param,
+                        code="ocr_work_limit")
+    return APIError(504, f"{e} (server limit: glm5 serve --ocr-timeout-s); send a smaller page or fewer rounds",
+                    type_="timeout_error", param=param, code="ocr_timeout")
 
 
 def install(app: FastAPI, agent: OcrAgent) -> None:
@@ -52,12 +70,15 @@ def install(app: FastAPI, agent: OcrAgent) -> None:
 
     @app.post("/v1/ocr")
     async def ocr(request: Request):
+        deadline = agent.deadline()  # from the request's arrival: reading the upload counts too
         req = await _parse(request)
         try:
             data = _image_bytes(req.image)
-            res = await asyncio.to_thread(agent.read_bytes, data, req.name, req.rounds)
+            res = await asyncio.to_thread(agent.read_bytes, data, req.name, req.rounds, deadline)
         except ImageError as e:
             raise APIError(400, str(e), param="image", code="invalid_image") from e
+        except (OcrOverBudget, OcrTimeout) as e:
+            raise limit_error(e, "image") from e
         return render(res, req.format)
 
 
