@@ -289,15 +289,16 @@ def _adapters(root: Path, base: Path) -> dict[str, Path]:
     return out
 
 
-def _big_page_png() -> bytes:
-    """6000x6000 1-bit PNG (36 Mpx, under the 40 Mpx decode limit): a few kilobytes on the wire."""
+def _page_png(w: int = 6000, h: int = 6000) -> bytes:
+    """A 1-bit PNG page of text lines; 6000 x 6000 (36 Mpx, under the 40 Mpx decode limit) is a few
+    hundred kilobytes on the wire."""
     import io
 
     from PIL import Image, ImageDraw
-    im = Image.new("1", (6000, 6000), 1)
+    im = Image.new("1", (w, h), 1)
     d = ImageDraw.Draw(im)
-    for y in range(40, 6000, 60):
-        for x in range(40, 6000, 400):
+    for y in range(40, h - 40, 60):
+        for x in range(40, w - 200, 400):
             d.text((x, y), "lorem ipsum", fill=0)
     buf = io.BytesIO()
     im.save(buf, "PNG")
@@ -348,6 +349,9 @@ async def _probe_all(server: Server, adapters: dict[str, Path], _fuzz, ocr: bool
                            ("/v1/unload_lora_adapter", {"lora_name": "w"})):
             r = await h.post(path, json=body, headers=admin if "lora_adapter" in path else a)
             assert r.status_code == 200, (path, r.text)
+        if ocr:  # an ordinary page: 1240 x 1754 (A4 at 150 dpi)
+            r = await h.post("/v1/ocr", headers=a, files={"file": ("page.png", _page_png(1240, 1754), "image/png")})
+            assert r.status_code == 200, r.text
         await asyncio.sleep(3)
         rss_before = server.rss_mib()
         health, small, small_wrong = [], [], []
@@ -377,7 +381,7 @@ async def _probe_all(server: Server, adapters: dict[str, Path], _fuzz, ocr: bool
             except Exception as e:  # a timeout, a dropped connection: not handled
                 good, detail = False, f"{type(e).__name__}: {e}"[:200]
             cases.append({"case": name, "handled": good, "s": round(time.monotonic() - t, 2),
-                          **({"detail": detail} if not good or name.startswith("tenant") else {})})
+                          **({"detail": detail} if not good or name.startswith(("tenant", "6000")) else {})})
 
         def error(status: int, *words: str):
             return lambda r: r.status_code == status and all(w in r.text for w in words)
@@ -412,7 +416,7 @@ async def _probe_all(server: Server, adapters: dict[str, Path], _fuzz, ocr: bool
                     await case(f"3.9 MB prompt {path} #{k}", lambda p=path, bd=body: h.post(p, json=bd, headers=b),
                                lambda r: r.status_code == 400 and ("context" in r.text or "prompt" in r.text))
             if ocr:
-                page = _big_page_png()
+                page = _page_png()
                 await case("6000x6000 page /v1/ocr", lambda: h.post("/v1/ocr", headers=b, files={
                     "file": ("page.png", page, "image/png")}), lambda r: r.status_code in (413, 504))
 
@@ -458,8 +462,9 @@ async def _probe_all(server: Server, adapters: dict[str, Path], _fuzz, ocr: bool
         final = (await h.post("/v1/completions", json=greedy, headers=b)).json()["choices"][0]["text"] == reference
     failed = [c for c in cases if not c["handled"]]
     floods = [c["detail"] for c in cases if c["case"].startswith("tenant")]
+    pages = [c["detail"][:120] for c in cases if c["case"].startswith("6000")]
     return {"cases": len(cases), "handled": len(cases) - len(failed), "failed": len(failed), "failures": failed,
-            "slowest_case": max(cases, key=lambda c: c["s"]), "tenant_floods": floods,
+            "slowest_case": max(cases, key=lambda c: c["s"]), "tenant_floods": floods, "big_pages": pages,
             "health_during": _p99(health),
             "slowest_health": [{"ms": round(1000 * d), "during": c} for d, _, c in sorted(health_at)[-3:]],
             "small_greedy_during": _p99(small), "small_wrong": small_wrong,
