@@ -32,8 +32,9 @@ from glm5.apps.ocr.render import PageResult
 from glm5.infer.malloc import trim_malloc
 
 MAX_WORK_MPX = 32.0
-"""Default recogniser budget: about 100 s of recognition on the 2-core CPU of docs/ocr.md (~0.3 Mpx/s);
-the evaluation pages (960 x 1240, 26-71 lines) estimate 3-8 Mpx at rounds=1 (docs/ocr.md)."""
+"""Default recogniser budget: one to three minutes of recognition on the 2-core CPU of docs/ocr.md
+(0.18-0.57 Mpx/s by load, bench/ocr_limits.py); the evaluation pages (960 x 1034-1211, 26-71 lines)
+estimate 3.1-8.0 Mpx at rounds=1."""
 
 
 @dataclass(kw_only=True)
