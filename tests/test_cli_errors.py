@@ -38,3 +38,15 @@ def test_a_corrupt_checkpoint_is_one_line(capsys, tmp_path):
 def test_convert_keeps_its_own_debug_flag(capsys, tmp_path):
     err = one_line_error(capsys, ["convert", str(tmp_path / "nope"), str(tmp_path / "out")])
     assert err.startswith("glm5 convert:")
+
+
+@pytest.mark.parametrize("flag,value", [("--ocr-max-work-mpx", "0"), ("--ocr-timeout-s", "-1"),
+                                        ("--ocr-timeout-s", "nan")])
+def test_glm5_serve_ocr_limits_must_be_positive(capsys, flag, value):
+    """As in `glm5 ocr`: > 0, `inf` for no limit; refused before the engine is built."""
+    from glm5.cli.serve import _limit
+    from glm5.cli.serve import main as serve_main
+    assert serve_main(["--model", "tiny", "--ocr", flag, value]) == 2
+    out = capsys.readouterr().out.strip()
+    assert "\n" not in out and out.startswith(f"glm5 serve: {flag}: must be > 0 (inf for no limit)"), out
+    assert _limit(float("inf")) is None and _limit(32.0) == 32.0

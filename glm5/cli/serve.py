@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from glm5.core.config import ConfigError, apply_overrides, from_dict, load_toml
@@ -126,7 +127,7 @@ def _qualify(pairs: list[str]) -> list[str]:
 def parse_ocr_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """`--ocr [--ocr-model CKPT] [--ocr-rounds N] [--ocr-max-work-mpx MPX] [--ocr-timeout-s S]`: answer
     image_url parts and POST /v1/ocr with the OCR agent; a page over the work budget is a 413, one not
-    read within the timeout a 504 (0 turns either limit off)."""
+    read within the timeout a 504. Both must be > 0 (`inf` turns a limit off), as in `glm5 ocr`."""
     from glm5.apps.ocr.agent import MAX_WORK_MPX  # noqa: PLC0415 - numpy only, no OCR extra needed
 
     p = argparse.ArgumentParser(add_help=False)
@@ -139,13 +140,22 @@ def parse_ocr_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 OCR_TIMEOUT_S = 120.0
-"""Default deadline of one page on the server (a dense 6000 x 6000 page took ~140 s before the limits)."""
+"""Default deadline of one page on the server (before the limits, the issue-30 probe's 6000 x 6000 page got
+no answer within 121 s)."""
+
+
+def _limit(value: float) -> float | None:
+    """A > 0 limit flag: `inf` is no limit (None)."""
+    return None if math.isinf(value) else value
 
 
 def main(argv: list[str]) -> int:
     try:
         ocr_args, argv = parse_ocr_args(argv)
         engine_cfg, server_cfg = parse_args(argv)
+        for flag, value in (("--ocr-max-work-mpx", ocr_args.ocr_max_work_mpx), ("--ocr-timeout-s", ocr_args.ocr_timeout_s)):
+            if not value > 0:  # NaN too
+                raise ConfigError(f"{flag}: must be > 0 (inf for no limit), got {value:g}")
     except ConfigError as e:
         print(f"glm5 serve: {e}")
         return 2
@@ -167,8 +177,8 @@ def main(argv: list[str]) -> int:
         from glm5.apps.ocr.agent import OcrAgent, OcrConfig
         try:
             agent = OcrAgent(OcrConfig(rounds=ocr_args.ocr_rounds, model=ocr_args.ocr_model,
-                                       max_work_mpx=ocr_args.ocr_max_work_mpx or None,
-                                       timeout_s=ocr_args.ocr_timeout_s or None))
+                                       max_work_mpx=_limit(ocr_args.ocr_max_work_mpx),
+                                       timeout_s=_limit(ocr_args.ocr_timeout_s)))
         except ValueError as e:
             print(f"glm5 serve: --ocr: {e}")
             return 2
