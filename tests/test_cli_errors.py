@@ -50,3 +50,21 @@ def test_glm5_serve_ocr_limits_must_be_positive(capsys, flag, value):
     out = capsys.readouterr().out.strip()
     assert "\n" not in out and out.startswith(f"glm5 serve: {flag}: must be > 0 (inf for no limit)"), out
     assert _limit(float("inf")) is None and _limit(32.0) == 32.0
+
+
+def test_glm5_serve_starts_without_the_ocr_extra(tmp_path):
+    """`pip install glm5[serve]` has no Pillow or RapidOCR: parsing `glm5 serve`'s flags and building the app
+    must not import them (the OCR defaults come from numpy-only modules)."""
+    import subprocess
+    import sys
+    code = ("import sys\nfor m in ('PIL', 'rapidocr_onnxruntime', 'onnxruntime', 'multipart', 'python_multipart'):\n"
+            "    sys.modules[m] = None\n"
+            "from glm5.cli.serve import parse_args, parse_ocr_args\n"
+            "ocr, rest = parse_ocr_args(['--model', 'tiny', '--port', '8123'])\n"
+            "engine_cfg, server_cfg = parse_args(rest)\n"
+            "from glm5.infer.engine import LLMEngine\nfrom glm5.serve.app import create_app\n"
+            "import dataclasses\n"
+            "app = create_app(LLMEngine(dataclasses.replace(engine_cfg, num_blocks=8, device='cpu')), config=server_cfg)\n"
+            "print('ok', ocr.ocr_max_work_mpx)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[0] == "ok", out.stderr[-2000:]

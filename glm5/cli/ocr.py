@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=None, help="confidence under which a line is doubtful")
     p.add_argument("--lm-weight", type=float, default=None, help="language model weight vs the recogniser")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0 = default)")
-    from glm5.apps.ocr.agent import MAX_WORK_MPX  # noqa: PLC0415 - numpy only, no OCR extra needed
+    from glm5.apps.ocr.limits import MAX_WORK_MPX  # noqa: PLC0415 - numpy only, no OCR extra needed
 
     p.add_argument("--max-work-mpx", type=float, default=None, help="refuse pages whose estimated recogniser "
                    f"work exceeds this many megapixels (> 0; default {MAX_WORK_MPX:g}, inf = no limit)")

@@ -128,7 +128,7 @@ def parse_ocr_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """`--ocr [--ocr-model CKPT] [--ocr-rounds N] [--ocr-max-work-mpx MPX] [--ocr-timeout-s S]`: answer
     image_url parts and POST /v1/ocr with the OCR agent; a page over the work budget is a 413, one not
     read within the timeout a 504. Both must be > 0 (`inf` turns a limit off), as in `glm5 ocr`."""
-    from glm5.apps.ocr.agent import MAX_WORK_MPX  # noqa: PLC0415 - numpy only, no OCR extra needed
+    from glm5.apps.ocr.limits import MAX_WORK_MPX  # noqa: PLC0415 - numpy only, no OCR extra needed
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--ocr", action="store_true")

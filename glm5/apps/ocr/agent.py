@@ -26,16 +26,10 @@ import numpy as np
 
 from glm5.apps.ocr import correct, layout
 from glm5.apps.ocr.image import MAX_PIXELS, load_image
-from glm5.apps.ocr.limits import Deadline, OcrOverBudget, OcrTimeout, WorkEstimate, check
+from glm5.apps.ocr.limits import MAX_WORK_MPX, Deadline, OcrOverBudget, OcrTimeout, WorkEstimate, check
 from glm5.apps.ocr.perception import Perception
 from glm5.apps.ocr.render import PageResult
 from glm5.infer.malloc import trim_malloc
-
-MAX_WORK_MPX = 32.0
-"""Default recogniser budget: one to three minutes of recognition on the 2-core CPU of docs/ocr.md
-(0.18-0.57 Mpx/s by load, bench/ocr_limits.py); the evaluation pages (960 x 1034-1211, 26-71 lines)
-estimate 3.1-8.0 Mpx at rounds=1."""
-
 
 @dataclass(kw_only=True)
 class OcrConfig:

@@ -23,6 +23,11 @@ import numpy as np
 
 from glm5.apps.ocr.perception import MAX_RATIO, MIN_BATCH_WIDTH, REC_HEIGHT
 
+MAX_WORK_MPX = 32.0
+"""Default recogniser budget: one to three minutes of recognition on the 2-core CPU of docs/ocr.md
+(0.18-0.57 Mpx/s by load, bench/ocr_limits.py); the evaluation pages (960 x 1034-1211, 26-71 lines)
+estimate 3.1-8.0 Mpx at rounds=1."""
+
 ROUND1_VARIANTS = 3  # crops per doubtful line in round 1 (correct.crop_variants)
 ROUND1_PAD = 0.12  # their padding (x line height above and below, a quarter of it at the ends)
 
