@@ -117,7 +117,6 @@ class Gatekeeper:
                 msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
             await send(msg)
 
-        path = scope["path"]
         if self.idle is None or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self._admit(scope, receive, send_with_headers, headers)
         self.idle.enter()
