@@ -174,6 +174,7 @@ def evaluate(args) -> dict:
             "seconds": time.perf_counter() - t, "seconds_rounds01": seconds, "rounds": res.rounds,
             "changes": len(res.changes), "reading_order": M.reading_order_accuracy(res, page),
             "indent": M.indent_accuracy(res, page),
+            "lm_fixed_broken": [M.correction_effects(res, page, r) for r in range(2, args.rounds + 1)],
             "lm_changes": [[c.before.strip(), c.after.strip()] for c in res.changes if c.round >= 2]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "rounds"}, ensure_ascii=False), flush=True)
@@ -247,7 +248,10 @@ def summarise(rows, rounds) -> dict:
         for r in rows:
             groups[r[key]].append(r)
         out[key] = {g: {m: [_rate(rs, f"{m}{k}") for k in range(rounds + 1)] for m in ("cer", "wer", "line_cer")}
-                    | {"reading_order": float(np.mean([r["reading_order"] for r in rs])), "pages": len(rs)}
+                    | {"reading_order": float(np.mean([r["reading_order"] for r in rs])), "pages": len(rs),
+                       # characters the language-model rounds made right / made wrong (rows without them: 0)
+                       "lm_fixed": sum(fb[0] for r in rs for fb in r.get("lm_fixed_broken", [])),
+                       "lm_broken": sum(fb[1] for r in rs for fb in r.get("lm_fixed_broken", []))}
                     for g, rs in groups.items()}
     return out
 

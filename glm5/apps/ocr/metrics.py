@@ -7,6 +7,8 @@
 - `reading_order_accuracy`: of all pairs of predicted lines that belong to different ground-truth
   lines, the fraction in the ground truth's order (1.0 = perfect; Kendall-tau style).
 - `indent_accuracy`: code lines whose recovered leading spaces equal the ground truth's.
+- `correction_effects`: of one round's corrections, the ground-truth characters they made right
+  (fixed) and those that were right before and are not after (broken).
 """
 
 from __future__ import annotations
@@ -66,6 +68,31 @@ def line_cer(res: PageResult, page: Page, after_round: int | None = None) -> tup
         edits += Levenshtein.distance(hyp, ref)
         total += len(ref)
     return edits, total
+
+
+def _matched(hyp: str, ref: str) -> set[int]:
+    """Indices of `ref` that an optimal alignment of `hyp` to it reads correctly."""
+    return {j for tag, _, _, j0, j1 in Levenshtein.opcodes(hyp, ref) if tag == "equal" for j in range(j0, j1)}
+
+
+def correction_effects(res: PageResult, page: Page, round_: int) -> tuple[int, int]:
+    """(fixed, broken) ground-truth characters over the corrections made in `round_` (spaces ignored).
+
+    A changed line is aligned to the ground-truth line under it before and after its round-`round_`
+    changes; a character read right before and not after is broken, the opposite is fixed. A changed
+    line over no ground-truth line counts its lost or gained characters as broken."""
+    fixed = broken = 0
+    for i in sorted({c.line for c in res.changes if c.round == round_}):
+        before = res.line_text(i, round_ - 1).replace(" ", "")
+        after = res.line_text(i, round_).replace(" ", "")
+        owner = _owner(page, res.lines[i].box)
+        if owner is None:
+            broken += abs(len(after) - len(before))
+            continue
+        ref = page.lines[owner].text.replace(" ", "")
+        was, now = _matched(before, ref), _matched(after, ref)
+        fixed, broken = fixed + len(now - was), broken + len(was - now)
+    return fixed, broken
 
 
 def reading_order_accuracy(res: PageResult, page: Page) -> float:
