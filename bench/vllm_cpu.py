@@ -86,15 +86,18 @@ def run_glm5(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
     tune_malloc()  # as `glm5 serve` does (vLLM's CPU backend preloads tcmalloc where it ships one)
     opts = dict(model=checkpoints(d, arch)[0], device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
 
+    engine = LLMEngine(EngineConfig(**opts))  # built once and reused, as vLLM's `LLM` (a warm cache and pool)
+    calls = iter(range(1 << 30))
+
     def gen(ps, n):
-        engine = LLMEngine(EngineConfig(**opts))
         sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        for i, p in enumerate(ps):
-            engine.add_request(str(i), prompt_token_ids=p, params=sp)
+        ids = [f"{next(calls)}-{i}" for i in range(len(ps))]
+        for rid, p in zip(ids, ps):
+            engine.add_request(rid, prompt_token_ids=p, params=sp)
         done, t = {}, time.perf_counter()
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        return time.perf_counter() - t, [done[str(i)] for i in range(len(ps))]
+        return time.perf_counter() - t, [done[rid] for rid in ids]
 
     report("glm5", d, gen, threads, arch)
 

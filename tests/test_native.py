@@ -8,7 +8,7 @@ import torch
 
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
-from glm5.infer.kernels import NativeExperts, NativeLinear
+from glm5.infer.kernels import NativeExperts, NativeGQAttention, NativeLinear
 from glm5.model.latent_attention import dense_latent_attention
 from glm5.model.moe import expert_loop, swiglu
 from glm5.native import NativeError, build, load
@@ -72,6 +72,69 @@ def test_latent_kernel_equals_dense_latent_attention(kernels, H, W, R):
         kernels.latent_decode(qq, latent[:10], key_slots, bias, R, 0.3, lens)
     with pytest.raises(ValueError, match="kv_rank"):
         kernels.latent_decode(qq, latent, key_slots, bias, W + 1, 0.3, lens)
+
+
+@pytest.mark.parametrize("H,G,D", [(6, 2, 64), (8, 8, 12), (7, 1, 20), (16, 2, 9)])
+def test_gqa_kernel_equals_the_modules_grouped_attention(kernels, H, G, D):
+    """`NativeKernels.gqa_decode` == GQAttention's own `_attend_group` (its PyTorch statement) over paged
+    [k | v] rows: ragged lengths, causal draft rows (T = 2), MHA (G = H), MQA (G = 1), odd head dims (vector
+    tails), more than 6 query heads per key/value head (two head blocks), 1 and 2 threads; a query row that
+    may see nothing gets zeros; bad key tables and head counts are refused."""
+    from glm5.model.config import ModelConfig
+    from glm5.model.gqa_attention import GQAttention
+    from glm5.model.paged import AttnGroup
+
+    from .test_hf_glm4 import GQA
+
+    cfg = ModelConfig.from_dict(dict(GQA, num_attention_heads=H, num_key_value_heads=G, head_dim=D))
+    att = GQAttention(cfg, 0).eval()
+    g = torch.Generator().manual_seed(H * G * D)
+    for T in (1, 2):
+        _, _, key_slots, allowed, bias, lens = ragged_latent_case(g, T, 1, 1)
+        B, S = key_slots.shape
+        rows = torch.randn(64, 2 * G * D, generator=g)
+        q = torch.randn(B * T, H, D, generator=g)
+        grp = AttnGroup(q_index=torch.arange(B * T).view(B, T), q_valid=torch.ones(B, T, dtype=torch.bool),
+                        q_pos=torch.zeros(B, T, dtype=torch.long), key_slots=key_slots,
+                        key_valid=torch.arange(S)[None] < torch.tensor(lens)[:, None], allowed=allowed,
+                        is_identity=True, key_lens=lens)
+        with torch.no_grad():
+            ref = att._attend_group(grp, q, rows)  # [B, T, H, D]
+        for threads in (1, 2):
+            got = kernels.gqa_decode(q.view(B, T, H, D), rows, G, key_slots, bias, att.scale, lens, threads)
+            assert torch.allclose(got, ref, atol=1e-5), (T, threads, (got - ref).abs().max())
+    bias[4, 1] = float("-inf")
+    got = kernels.gqa_decode(q.view(B, T, H, D), rows, G, key_slots, bias, att.scale, lens)
+    assert torch.equal(got[4, 1], torch.zeros(H, D)) and torch.allclose(got[:4], ref[:4], atol=1e-5)
+    with pytest.raises(NativeError, match="key slot outside"):
+        kernels.gqa_decode(q.view(B, T, H, D), rows[:10], G, key_slots, bias, att.scale, lens)
+    with pytest.raises(ValueError, match="shape"):
+        kernels.gqa_decode(q.view(B, T, H, D), rows[:, 1:], G, key_slots, bias, att.scale, lens)
+    with pytest.raises(ValueError, match="not a multiple"):
+        kernels.gqa_decode(q.view(B, T, H, D), torch.randn(64, 2 * (H + 1) * D), H + 1, key_slots, bias, att.scale, lens)
+
+
+def test_engine_swaps_gqa_attention_and_serves_the_same_tokens(kernels, monkeypatch):
+    """A glm4_moe engine on the native kernels: its attention modules are `NativeGQAttention` sharing the
+    (swapped) projections, and its greedy tokens and paged logits equal the PyTorch engine's."""
+    from .test_hf_glm4 import CORNERS, _model
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (1, 7, 19, 30)]
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=64, max_model_len=48)
+    plain = LLMEngine(EngineConfig(**opts, kernels="torch"), model=_model(CORNERS["gqa_qknorm_bias_partial"], seed=3))
+    fast = LLMEngine(EngineConfig(**opts, kernels="native"), model=_model(CORNERS["gqa_qknorm_bias_partial"], seed=3))
+    attn = fast.model.model.layers[0].self_attn
+    assert type(attn) is NativeGQAttention and type(attn.q_proj) is NativeLinear
+    assert type(plain.model.model.layers[0].self_attn) is not NativeGQAttention
+    assert fast.model.state_dict().keys() == plain.model.state_dict().keys()
+    calls, inner = [], NativeGQAttention._attend_group
+    monkeypatch.setattr(NativeGQAttention, "_attend_group",
+                        lambda self, g, q, rows: calls.append(g.q_index.shape) or inner(self, g, q, rows))
+    assert _greedy(fast, prompts) == _greedy(plain, prompts)
+    for p in prompts:
+        assert torch.allclose(_logits(fast, p + [5, 6]), _logits(plain, p + [5, 6]), atol=1e-4)
+    assert any(shape[1] == 1 for shape in calls)  # the decode steps went through the swapped module
 
 
 @pytest.mark.parametrize("H,E,V,P,R", [(3, 8, 8, 4, 16), (7, 13, 9, 6, 21)])

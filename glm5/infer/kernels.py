@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glm5.model.attention import MLAttention
+from glm5.model.attention import MLAttention, _rows
+from glm5.model.gqa_attention import GQAttention
 from glm5.model.layers import RMSNorm, SwiGLU
-from glm5.model.moe import Experts, MoE, Router
+from glm5.model.moe import LOOP_MIN_ROWS_PER_EXPERT, Experts, MoE, Router
 from glm5.model.paged import AttnGroup, PagedContext
 from glm5.native import LayerSpec, NativeKernels, key_table, rows_stride
 
@@ -25,7 +26,9 @@ from .quant import Int8Experts, Int8Linear
 
 
 class NativeExperts(Experts):
-    """`Experts` whose no-grad fp32 CPU forward runs `NativeKernels.moe` over the [in, out]-stored weights."""
+    """`Experts` whose no-grad fp32 CPU forward runs `NativeKernels.moe` over the [in, out]-stored weights
+    for steps below `LOOP_MIN_ROWS_PER_EXPERT` assignments per expert (decode, small batches); larger steps
+    take the module's own per-expert BLAS loop, which is faster there."""
 
     kernels: NativeKernels
 
@@ -33,6 +36,7 @@ class NativeExperts(Experts):
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         gu, dn = self.gate_up_proj, self.down_proj
         if (torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
+                or idx.numel() >= LOOP_MIN_ROWS_PER_EXPERT * self.n_experts
                 or gu.dtype != torch.float32 or not (is_transposed(gu) and is_transposed(dn))):
             return super().forward(x, idx, weights, keep)
         w = weights if keep is None else weights * keep
@@ -77,6 +81,31 @@ class NativeLinear(nn.Linear):
         return self.kernels.linear(x, w, self.bias, ld)
 
 
+# NativeGQAttention runs groups of at most this many queries per sequence in the kernel (decode steps, draft
+# verification, short chunks); longer chunks keep the module's own products / SDPA. Measured on
+# bench/engine.py's glm4_moe checkpoint (1 thread): see docs/bench-engine.md, "GQA decode attention".
+GQA_MAX_QUERIES = 8
+
+
+class NativeGQAttention(GQAttention):
+    """`GQAttention` whose no-grad fp32 CPU attention of a decode-sized group (`_attend_group`) is one
+    `NativeKernels.gqa_decode` call over the paged [k | v] cache rows: no per-step gather of keys and values
+    into [B, G, S, D], no score tensor, no mask addition and softmax as separate ops. The projections, norms,
+    rotary and cache writes are the module's own (`project`, `write_kv`); everything else is inherited."""
+
+    kernels: NativeKernels
+
+    def _attend_group(self, g: AttnGroup, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        if (g.q_index.shape[1] > GQA_MAX_QUERIES or torch.is_grad_enabled() or q.dtype != torch.float32
+                or rows.dtype != torch.float32 or q.device.type != "cpu" or not rows.is_contiguous()):
+            return super()._attend_group(g, q, rows)
+        return self.kernels.gqa_decode(_rows(g, q), rows, self.n_kv, g.key_slots, g.key_bias, self.scale, g.key_lens)
+
+
+_GQA_SHARED = ("layer_idx", "n_heads", "n_kv", "head_dim", "rotary_dim", "scale", "q_proj", "k_proj", "v_proj",
+               "o_proj", "q_norm", "k_norm")
+
+
 def _swapped(cls: type, mod: nn.Module, kernels: NativeKernels, shared: tuple[str, ...]) -> nn.Module:
     """An instance of `cls` (a native subclass of mod's class) holding mod's attributes `shared` - the same
     Parameter objects, not copies - and the kernels."""
@@ -90,8 +119,8 @@ def _swapped(cls: type, mod: nn.Module, kernels: NativeKernels, shared: tuple[st
 
 
 def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
-    """Swap every plain `Experts` (not LoRA-parametrised), `RMSNorm` and [in, out]-stored `nn.Linear` module
-    for its native subclass; returns how many."""
+    """Swap every plain `Experts` (not LoRA-parametrised), `RMSNorm`, [in, out]-stored `nn.Linear` and
+    `GQAttention` module for its native subclass; returns how many."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -106,6 +135,11 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
                   and is_transposed(child.weight)):  # (kv_b_proj stays: the absorbed attention reads it as a matrix)
                 setattr(parent, name, _swapped(NativeLinear, child, kernels,
                                                ("in_features", "out_features", "weight", "bias")))
+                n += 1
+    for parent in list(model.modules()):  # after their projections and norms were swapped, which they share
+        for name, child in list(parent.named_children()):
+            if type(child) is GQAttention:
+                setattr(parent, name, _swapped(NativeGQAttention, child, kernels, _GQA_SHARED))
                 n += 1
     return n
 

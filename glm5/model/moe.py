@@ -55,6 +55,14 @@ class Router(nn.Module):
         return logits, scores, weights * cfg.routed_scaling_factor, idx
 
 
+# Without autograd on CPU, a step with at least this many expert assignments per expert on average (prefill
+# chunks, wide batches) runs one BLAS matmul pair per expert (`expert_loop`): 1.4-2.3x faster than
+# `grouped_experts` (and than the native kernel, glm5/infer/kernels.py) from 256 to 2,048 tokens on the
+# bench's 64-expert, top-4 checkpoint (1 thread), while below ~4 per expert the per-expert calls cost more
+# than the products (docs/bench-engine.md, "Routed experts by step size").
+LOOP_MIN_ROWS_PER_EXPERT = 8
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as two fused 3-D weights; `forward` sorts tokens by expert (grouped matmuls)."""
 
@@ -72,10 +80,12 @@ class Experts(nn.Module):
         Without autograd on CPU (serving, `generate_greedy`): `grouped_experts`, a fixed number of ops
         whatever the routing (two grouped matmuls; no per-expert Python); for a single token the loop over
         its A experts, since CPU `_grouped_mm` walks every expert, empty ones included (0.6 vs 1.2 ms per
-        layer on the bench's 64-expert checkpoint)."""
+        layer on the bench's 64-expert checkpoint), and the loop again once the experts get enough rows
+        each for BLAS GEMMs (`LOOP_MIN_ROWS_PER_EXPERT`)."""
         if not torch.is_grad_enabled() and not x.is_cuda:
             gu, dn = self.gate_up_proj, self.down_proj  # read once: a parametrized (LoRA) weight recomputes per read
-            if x.shape[0] == 1 and keep is None:  # batch-1 decode: CPU _grouped_mm visits all E experts
+            if (x.shape[0] == 1 and keep is None  # batch-1 decode: CPU _grouped_mm visits all E experts
+                    or idx.numel() >= LOOP_MIN_ROWS_PER_EXPERT * self.n_experts):
                 return expert_loop(x, idx, weights, keep, self.n_experts, lambda e, xs: swiglu(xs, gu[e], dn[e]))
             return grouped_experts(x, idx, weights, keep, gu, dn)
         order, token, counts = sort_by_expert(idx, self.n_experts, keep)

@@ -15,6 +15,8 @@ Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.latent_decode`: dense absorbed-MLA attention (glm5.model.latent_attention),
   * `NativeKernels.mla_decode`: the same from the un-absorbed query, W_uk and W_uv included (MLAttention's
     absorbed path: absorb_q, dense_latent_attention, latent_to_heads),
+  * `NativeKernels.gqa_decode`: grouped-query attention of a decode-sized group over the paged [k | v] cache
+    rows (GQAttention's `_attend_group`, glm5.model.gqa_attention),
   * `NativeKernels.linear`: a few rows through an [in, out]-stored linear layer (torch.nn.functional.linear),
   * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm),
   * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope),
@@ -47,6 +49,7 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_moe": ([_P, _L, _I, _P, _P, _I, _I, _I, _P, _L, _P, _L, _P, _I], _I),
     "glm5_latent_decode": ([_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, _F, _P, _I], _I),
     "glm5_mla_decode": ([_P, _L, _L, _P, _P, _I, _I, _I, _L, _L, _I, _P, _L, _P, _L, _P, _P, _I, _F, _P, _I], _I),
+    "glm5_gqa_decode": ([_P, _L, _L, _I, _I, _I, _P, _L, _P, _L, _P, _P, _F, _P, _I], _I),
     "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
     "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
@@ -231,6 +234,29 @@ class NativeKernels:
         _raise(rc, _KEYS_REFUSED.format(rows=latent.shape[0], S=S))
         return out
 
+    def gqa_decode(self, q: torch.Tensor, cache: torch.Tensor, num_kv_heads: int, key_slots: torch.Tensor,
+                   bias: torch.Tensor, scale: float, key_lens: list[int] | None = None,
+                   threads: int | None = None) -> torch.Tensor:
+        """GQAttention's attention of one group: q [B, T, H, D] (head h reads key/value head h // (H / G)),
+        cache [rows, 2 * G * D] (per row G key heads, then G value heads), key_slots / bias / key_lens as
+        `latent_decode` -> [B, T, H, D] = softmax(q k^T * scale + bias) v per head; keys with bias -inf are
+        not read, a query row with no allowed key gets zeros."""
+        B, T, H, D = q.shape
+        G, S = num_kv_heads, key_slots.shape[1]
+        if G <= 0 or H % G:
+            raise ValueError(f"{H} query heads are not a multiple of {G} key/value heads")
+        q, bias = q.contiguous(), bias.contiguous()
+        _check(q, "q", (B, T, H, D))
+        _check(cache, "cache", (cache.shape[0], 2 * G * D))
+        _check(bias, "bias", (B, T, S))
+        slots, lens = key_table(key_slots, key_lens, B)
+        out = q.new_empty(B, T, H, D)
+        rc = self.lib.glm5_gqa_decode(q.data_ptr(), B, T, H, G, D, cache.data_ptr(), cache.shape[0], slots.data_ptr(),
+                                      S, bias.data_ptr(), lens.data_ptr(), scale, out.data_ptr(),
+                                      threads or torch.get_num_threads())
+        _raise(rc, _KEYS_REFUSED.format(rows=cache.shape[0], S=S), f"{H} query heads over {G} key/value heads")
+        return out
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                ld: int | None = None) -> torch.Tensor:
         """`F.linear(x, weight, bias)` for fp32 CPU x [..., in] with evenly spaced rows (`ld` apart: given by
@@ -337,7 +363,7 @@ _KEYS_REFUSED = "a key slot outside [0, {rows}) or a key length outside [0, {S}]
 
 
 def key_table(key_slots: torch.Tensor, key_lens: list[int] | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention kernels' key tables (`latent_decode`, `mla_decode`, `decode_layer`): slots [B, S] int64 contiguous, lens [B] int64 (None: S each)."""
+    """The attention kernels' key tables (`latent_decode`, `mla_decode`, `gqa_decode`, `decode_layer`): slots [B, S] int64 contiguous, lens [B] int64 (None: S each)."""
     S = key_slots.shape[1]
     slots = key_slots.to(torch.int64).contiguous()
     lens = torch.tensor(key_lens if key_lens is not None else [S] * B, dtype=torch.int64)

@@ -417,14 +417,16 @@ static inline __attribute__((always_inline)) void head_accum2(float *o, int R, c
         for (int h = 0; h < HB; h++) o[(long)h * R + j] += p0[h] * r0[j] + p1[h] * r1[j];
 }
 
-/* One query row (all H heads) over its sequence's first n keys. qs [H, W] scaled queries; sc [H, ld] and
+/* One query row (all H heads) over its sequence's first n keys. qs [H, W] scaled queries; key s is the W
+ * values at lat + slots[s] * ldr, its value the R values voff further on (MLA: ldr = W, voff = 0, the value is
+ * the key row's latent part; GQA: one key/value head's two halves of a cache row); sc [H, ld] and
  * keys [ld] scratch; o [H, R] output. Only allowed keys (bias > -inf) are read: their indices are listed
  * first, then scored two rows at a time, and the output accumulated four rows at a time (each pass reads a
  * row once for all heads). With `given` (K key indices, -1 = none: a top-k selection of allowed keys) only
  * those keys are attended. */
-static void latent_row(const float *qs, int H, int W, const float *lat, const int64_t *slots, long n,
-                       const float *bias, const int64_t *given, long K, int R, float *sc, int64_t *keys, long ld,
-                       float *o) {
+static void latent_row(const float *qs, int H, int W, const float *lat, long ldr, long voff, const int64_t *slots,
+                       long n, const float *bias, const int64_t *given, long K, int R, float *sc, int64_t *keys,
+                       long ld, float *o) {
     long m = 0;
     if (given) {
         for (long k = 0; k < K; k++)
@@ -436,7 +438,7 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
     memset(o, 0, sizeof(float) * H * R);
     if (!m) return; /* a row with no allowed key: zeros */
     for (long i = 0; i < m; i++) { /* one key row at a time: a pure stream through the sequence's blocks */
-        const float *row = lat + slots[keys[i]] * W;
+        const float *row = lat + slots[keys[i]] * ldr;
         for (int h0 = 0; h0 < H; h0 += 6)
             UPTO6(H - h0, head_dots, qs + (long)h0 * W, W, row, sc + h0 * ld + i, ld);
     }
@@ -459,7 +461,7 @@ static void latent_row(const float *qs, int H, int W, const float *lat, const in
         for (i = 0; i < m; i++) p[i] *= inv;
     }
     for (long i = 0; i < m; i += 2) {
-        const float *r0 = lat + slots[keys[i]] * W, *r1 = i + 1 < m ? lat + slots[keys[i + 1]] * W : r0;
+        const float *r0 = lat + slots[keys[i]] * ldr + voff, *r1 = i + 1 < m ? lat + slots[keys[i + 1]] * ldr + voff : r0;
         for (int h0 = 0; h0 < H; h0 += 6) {
             const float *p = sc + h0 * ld + i;
             float *oh = o + (long)h0 * R;
@@ -528,7 +530,7 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
                     memcpy(qs + (long)h * W + R, ab->q_rope + (i * H + h) * (long)P, sizeof(float) * P);
                 }
                 for (long j = 0; j < (long)H * W; j++) qs[j] *= scale;
-                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, sel ? sel + i * K : NULL, K, R, sc,
+                latent_row(qs, H, W, lat, W, 0, slots + b * S, lens[b], bias + i * S, sel ? sel + i * K : NULL, K, R, sc,
                            keys, ld, olat);
                 for (int h = 0; h < H; h++) {
                     const float *w_uv = ab->kvb + ((long)h * (E + V) + E) * R; /* [V, R] */
@@ -537,7 +539,7 @@ static int latent_items(const float *q, const absorb_t *ab, long B, long T, int 
             } else {
                 const float *qi = q + i * H * W;
                 for (long j = 0; j < (long)H * W; j++) qs[j] = qi[j] * scale;
-                latent_row(qs, H, W, lat, slots + b * S, lens[b], bias + i * S, NULL, 0, R, sc, keys, ld,
+                latent_row(qs, H, W, lat, W, 0, slots + b * S, lens[b], bias + i * S, NULL, 0, R, sc, keys, ld,
                            out + i * H * R);
             }
         }
@@ -567,6 +569,43 @@ int glm5_mla_decode(const float *q_nope, long qn_si, long qn_sh, const float *q_
     if (keys_ok(B, T, S, slots, lens, rows, NULL, 0)) return 2;
     absorb_t ab = {q_nope, q_rope, kvb, qn_si, qn_sh, E, V, P};
     return latent_items(NULL, &ab, B, T, H, R + P, lat, slots, S, bias, lens, R, scale, NULL, 0, out, threads);
+}
+
+/* Grouped-query attention over paged [k | v] cache rows (GQAttention's decode-sized groups): q [B, T, H, D]
+ * with H = G * r query heads (head h reads key/value head h / r), cache rows [rows, 2 * G * D] (G key heads of D
+ * values, then G value heads), slots [B, S] / lens [B] / bias [B, T, S] as glm5_latent_decode -> out [B, T, H, D]
+ * = softmax(q . k * scale + bias) . v per head. Work items are (query row, key/value head). Returns as
+ * glm5_latent_decode. */
+int glm5_gqa_decode(const float *q, long B, long T, int H, int G, int D, const float *cache, long rows,
+                    const int64_t *slots, long S, const float *bias, const int64_t *lens, float scale, float *out,
+                    int threads) {
+    if (G <= 0 || H % G) return 3;
+    if (keys_ok(B, T, S, slots, lens, rows, NULL, 0)) return 2;
+    const int r = H / G;
+    const long items = B * T * G, ldr = 2L * G * D;
+    int nt = n_threads(threads);
+    if (nt > items) nt = (int)(items ? items : 1);
+    int fail = 0;
+#pragma omp parallel num_threads(nt) reduction(| : fail) if (nt > 1)
+    {
+        long ld = S ? S : 1;
+        float *qs = malloc(sizeof(float) * ((long)r * D + (long)r * ld) + sizeof(int64_t) * ld);
+        float *sc = qs ? qs + (long)r * D : NULL;
+        int64_t *keys = qs ? (int64_t *)(sc + (long)r * ld) : NULL;
+        fail |= !qs;
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < items; it++) {
+            if (!qs) continue;
+            long i = it / G, b = i / T;
+            int g = (int)(it % G);
+            const float *qi = q + (i * H + (long)g * r) * D;
+            for (long j = 0; j < (long)r * D; j++) qs[j] = qi[j] * scale;
+            latent_row(qs, r, D, cache + (long)g * D, ldr, (long)G * D, slots + b * S, lens[b], bias + i * S, NULL, 0,
+                       D, sc, keys, ld, out + (i * H + (long)g * r) * D);
+        }
+        free(qs);
+    }
+    return fail;
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
