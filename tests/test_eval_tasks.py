@@ -98,6 +98,9 @@ def test_overlap_scores():
 def test_humaneval_truncation():
     assert cut_at_stop("    return x\n\ndef other():\n    pass", STOP) == "    return x\n"
     assert cut_at_stop("    return x\nprint(f(1))", STOP) == "    return x"
+    # an instruct model closing its Markdown block, and a decorated next definition (bigcode's stops)
+    assert cut_at_stop("    return sorted(xs)\n```\n\nThis sorts the list.", STOP) == "    return sorted(xs)"
+    assert cut_at_stop("    return 1\n@cache\ndef g():\n    pass", STOP) == "    return 1"
 
 
 def test_loaders_name_file_and_line(tmp_path):

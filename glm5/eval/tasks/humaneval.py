@@ -1,7 +1,8 @@
 """HumanEval-format code generation scored by execution, with the unbiased pass@k estimator.
 
-A problem has `task_id, prompt, entry_point, test`. Each completion is cut at the Codex stop sequences
-(a new top-level `def`/`class`/`if`/`print`/comment ends the function body), then the program
+A problem has `task_id, prompt, entry_point, test`. Each completion is cut at the stop sequences of
+bigcode-evaluation-harness's HumanEval task (a new top-level `def`/`class`/decorator/`if`/`print`/comment,
+or a closing code fence, ends the function body), then the program
 `prompt + completion + test + check(entry_point)` runs in the sandbox (glm5/eval/sandbox.py). With
 `samples` (JSONL of `task_id, completion`) the given completions are scored and nothing is generated.
 """
@@ -18,7 +19,10 @@ from ..metrics import Metric, mean_stderr, pass_at_k
 from ..sandbox import Limits, run_program
 from .base import Doc, Task
 
-STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+# Codex's stop sequences plus the two bigcode-evaluation-harness adds for its HumanEval task: a decorator
+# starting a new top-level definition, and the end of a Markdown code block (instruct models close the
+# fence after the body and go on to explain it).
+STOP = ("\nclass", "\ndef", "\n#", "\n@", "\nif", "\nprint", "\n```")
 
 
 def program(problem: dict, completion: str) -> str:
