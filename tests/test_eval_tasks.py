@@ -103,6 +103,24 @@ def test_humaneval_truncation():
     assert cut_at_stop("    return 1\n@cache\ndef g():\n    pass", STOP) == "    return 1"
 
 
+def test_humaneval_chat_replies_run_their_code_block():
+    """--chat: the reply's fenced block is run after the prompt (its imports and helpers stay in scope); a
+    full definition replaces the prompt's, a bare body completes it, text around the block is ignored."""
+    from glm5.eval.sandbox import Limits, run_program
+    from glm5.eval.tasks.humaneval import chat_program, chat_prompt, extract_code
+
+    prob = {"prompt": "from typing import List\n\ndef helper(x):\n    return x + 1\n\n"
+                      "def f(xs: List[int]) -> int:\n    \"\"\"Sum plus one.\"\"\"\n",
+            "entry_point": "f", "test": "def check(c):\n    assert c([1, 2]) == 4\n"}
+    assert chat_prompt(prob).endswith("```python\n" + prob["prompt"].rstrip() + "\n```")
+    status = lambda reply: run_program(chat_program(prob, reply), Limits()).status  # noqa: E731
+    assert status("Here it is:\n```python\ndef f(xs):\n    return helper(sum(xs))\n```\nIt sums.") == "pass"
+    assert status("```python\n    return sum(xs) + 1\n```") == "pass"  # a body only
+    assert status("```py\ndef f(xs: List[int]) -> int:\n    return sum(xs) + 1") == "pass"  # unclosed block
+    assert status("```python\ndef f(xs):\n    return 0\n```") == "fail"
+    assert extract_code("no block, just code:\nreturn 1") == "no block, just code:\nreturn 1"
+
+
 def test_loaders_name_file_and_line(tmp_path):
     bad = tmp_path / "algebra_test.csv"
     bad.write_text('q,1,2,3,4,B\n"only",two\n')

@@ -43,7 +43,7 @@ def parse(argv):
                     help="generation tasks: temperature decayed linearly from START to END (the seeds' 0.8 0.2)")
     ap.add_argument("--timeout", type=float, default=10.0, help="humaneval: seconds per program")
     ap.add_argument("--regex", help="exact: answer extraction pattern (first group)")
-    ap.add_argument("--chat", action="store_true", help="exact/queries: prompts through the chat template")
+    ap.add_argument("--chat", action="store_true", help="exact/queries/humaneval: prompts through the chat template (humaneval: the reply's code block is run)")
     ap.add_argument("--judge-url", help="queries: OpenAI-compatible judge server")
     ap.add_argument("--judge-model")
     ap.add_argument("--tokenizer", help="URL models: tokenizer directory (needed for log-likelihood tasks)")

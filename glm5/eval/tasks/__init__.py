@@ -49,7 +49,7 @@ class TaskConfig:
     temperature: float = 0.0  # generation temperature (0 = greedy)
     top_p: float = 1.0
     max_tokens: int | None = None  # generated tokens (default: humaneval 384, exact 64, queries 128)
-    stop: list[str] | None = None  # stop strings (default: humaneval Codex stops, exact newline)
+    stop: list[str] | None = None  # stop strings (default: humaneval bigcode's stops (none with chat), exact newline)
     seed: int | None = 0  # sampling seed
     beam_width: int = 1  # generation tasks: > 1 = beam search of this width (temperature must be 0)
     temperature_schedule: list[float] | None = None  # generation tasks: [start, end], linear over max_tokens
@@ -110,7 +110,7 @@ def build_task(cfg: TaskConfig) -> Task:
         return ContinuationTask(data) if cfg.task == "continuation" else LambadaTask(data)
     if cfg.task == "humaneval":
         limits = Limits(cpu_s=max(1, int(cfg.timeout_s + 0.999)), wall_s=cfg.timeout_s + 5)
-        return HumanEvalTask(data, samples=cfg.samples, n=cfg.n, k=tuple(cfg.k), params=_params(cfg, 384, STOP, cfg.n),
+        return HumanEvalTask(data, samples=cfg.samples, n=cfg.n, k=tuple(cfg.k), params=_params(cfg, 384, () if cfg.chat else STOP, cfg.n),
                              limits=limits)
     if cfg.task == "exact":
         return ExactTask(data, regex=cfg.regex, regex_last=cfg.regex_last, params=_params(cfg, 64, ("\n",)))

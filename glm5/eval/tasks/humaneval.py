@@ -3,12 +3,14 @@
 A problem has `task_id, prompt, entry_point, test`. Each completion is cut at the stop sequences of
 bigcode-evaluation-harness's HumanEval task (a new top-level `def`/`class`/decorator/`if`/`print`/comment,
 or a closing code fence, ends the function body), then the program
-`prompt + completion + test + check(entry_point)` runs in the sandbox (glm5/eval/sandbox.py). With
+`prompt + completion + test + check(entry_point)` runs in the sandbox (glm5/eval/sandbox.py). With `chat`
+the problem is asked as a user turn and the reply's code block is run instead (`chat_program`). With
 `samples` (JSONL of `task_id, completion`) the given completions are scored and nothing is generated.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,8 +27,36 @@ from .base import Doc, Task
 STOP = ("\nclass", "\ndef", "\n#", "\n@", "\nif", "\nprint", "\n```")
 
 
+# With `chat` (instruct models, which close a raw prompt's code block at once and explain instead), the
+# problem goes to the model as one user turn asking for the whole function in a Markdown code block, as
+# EvalPlus prompts chat models; the code block of the reply is what is run (see `chat_program`).
+CHAT_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, including its "
+                    "signature and any imports it needs, in one Markdown ```python code block.")
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:\n[ \t]*```|\Z)", re.S | re.I)
+
+
 def program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def chat_prompt(problem: dict) -> str:
+    return f"{CHAT_INSTRUCTION}\n\n```python\n{problem['prompt'].rstrip()}\n```"
+
+
+def extract_code(reply: str) -> str:
+    """The first fenced code block of a chat reply (an unclosed one runs to the end), else the whole reply."""
+    m = _FENCE.search(reply)
+    return (m.group(1) if m else reply).strip("\n")
+
+
+def chat_program(problem: dict, reply: str) -> str:
+    """The program run for a chat reply: the problem's prompt (its imports and helper functions), then the
+    reply's code, whose definition of the entry point replaces the prompt's docstring-only one; a reply
+    holding only a function body is appended to the prompt as a completion."""
+    code = extract_code(reply)
+    if re.search(rf"^\s*def\s+{re.escape(problem['entry_point'])}\s*\(", code, re.M):
+        return f"{problem['prompt']}    pass\n\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    return program(problem, code)
 
 
 class HumanEvalTask(Task):
@@ -57,11 +87,15 @@ class HumanEvalTask(Task):
             return [given.get(d.id, []) for d in docs]
         if model is None:
             raise ValueError("humaneval needs a model or --samples")
+        if self.params.chat:
+            return model.generate([chat_prompt(d.data) for d in docs], self.params)
         return model.generate([d.data["prompt"] for d in docs], self.params)
 
     def evaluate(self, model: EvalModel | None, docs: list[Doc]) -> list[dict]:
         comps = self.completions(model, docs)
-        jobs = [(i, program(d.data, cut_at_stop(c, STOP))) for i, (d, cs) in enumerate(zip(docs, comps)) for c in cs]
+        build = ((lambda d, c: chat_program(d.data, c)) if self.params.chat and self.samples is None
+                 else (lambda d, c: program(d.data, cut_at_stop(c, STOP))))
+        jobs = [(i, build(d, c)) for i, (d, cs) in enumerate(zip(docs, comps)) for c in cs]
         with ThreadPoolExecutor(self.workers) as pool:
             results = list(pool.map(lambda job: run_program(job[1], self.limits), jobs))
         statuses: list[list[str]] = [[] for _ in docs]
