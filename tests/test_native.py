@@ -114,6 +114,26 @@ def test_gqa_kernel_equals_the_modules_grouped_attention(kernels, H, G, D):
         kernels.gqa_decode(q.view(B, T, H, D), torch.randn(64, 2 * (H + 1) * D), H + 1, key_slots, bias, att.scale, lens)
 
 
+@pytest.mark.parametrize("B,T,H,D,r", [(1, 5, 6, 64, 32), (2, 3, 4, 16, 16), (1, 1, 2, 20, 10)])
+def test_rope_heads_kernel_equals_gqa_rotate(kernels, B, T, H, D, r):
+    """In-place partial rotary (`rope_heads_`) == GQAttention's `_rotate` (apply_rope on the first r values,
+    the rest kept), on a contiguous tensor and on a head slice of a wider row (a fused projection's k);
+    the values outside the slice are untouched."""
+    from glm5.model.layers import apply_rope
+
+    g = torch.Generator().manual_seed(B * T * H * D)
+    ang = torch.randn(B, T, r // 2, generator=g)
+    cos, sin = ang.cos(), ang.sin()
+    base = torch.randn(B * T, 3 * H * D, generator=g)
+    before = base.clone()
+    for x in (torch.randn(B, T, H, D, generator=g), base[:, H * D:2 * H * D].view(B, T, H, D)):
+        ref = torch.cat([apply_rope(x[..., :r], cos[:, :, None], sin[:, :, None], interleave=False), x[..., r:]], -1)
+        assert torch.allclose(kernels.rope_heads_(x, cos, sin, r), ref, atol=1e-6)
+    assert torch.equal(base[:, :H * D], before[:, :H * D]) and torch.equal(base[:, 2 * H * D:], before[:, 2 * H * D:])
+    with pytest.raises(ValueError, match="rope_heads_"):
+        kernels.rope_heads_(torch.randn(B, T, H, D), cos, sin, D + 2)
+
+
 def test_engine_swaps_gqa_attention_and_serves_the_same_tokens(kernels, monkeypatch):
     """A glm4_moe engine on the native kernels: its attention modules are `NativeGQAttention` sharing the
     (swapped) projections, and its greedy tokens and paged logits equal the PyTorch engine's."""

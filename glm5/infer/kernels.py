@@ -90,10 +90,21 @@ GQA_MAX_QUERIES = 8
 class NativeGQAttention(GQAttention):
     """`GQAttention` whose no-grad fp32 CPU attention of a decode-sized group (`_attend_group`) is one
     `NativeKernels.gqa_decode` call over the paged [k | v] cache rows: no per-step gather of keys and values
-    into [B, G, S, D], no score tensor, no mask addition and softmax as separate ops. The projections, norms,
-    rotary and cache writes are the module's own (`project`, `write_kv`); everything else is inherited."""
+    into [B, G, S, D], no score tensor, no mask addition and softmax as separate ops; and the rotary embedding
+    in place (`NativeKernels.rope_heads_`). The projections, norms and cache writes are the module's own
+    (`project`, `write_kv`); everything else is inherited."""
 
     kernels: NativeKernels
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """In place on x [B, T, H, D] (`project` hands it the fresh output of a projection or a norm): one
+        kernel call instead of slicing, six products and two concatenations."""
+        B, T = x.shape[:2]
+        if (torch.is_grad_enabled() or x.dtype != torch.float32 or cos.dtype != torch.float32 or x.device.type != "cpu"
+                or x.stride(-1) != 1 or not (B == 1 or x.stride(0) == T * x.stride(1))
+                or cos.numel() != B * T * (self.rotary_dim // 2) or not (cos.is_contiguous() and sin.is_contiguous())):
+            return super()._rotate(x, cos, sin)
+        return self.kernels.rope_heads_(x, cos.view(B, T, -1), sin.view(B, T, -1), self.rotary_dim)
 
     def _attend_group(self, g: AttnGroup, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         if (g.q_index.shape[1] > GQA_MAX_QUERIES or torch.is_grad_enabled() or q.dtype != torch.float32

@@ -19,7 +19,8 @@ Kernels (each tested against its PyTorch reference in tests/test_native.py):
     rows (GQAttention's `_attend_group`, glm5.model.gqa_attention),
   * `NativeKernels.linear`: a few rows through an [in, out]-stored linear layer (torch.nn.functional.linear),
   * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm),
-  * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope),
+  * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope), and `rope_heads_` the same
+    in place on head rows (half-split, partial rotary: GQAttention's `_rotate`),
   * `NativeKernels.decode_layer`: a whole decoder layer for decode steps, built from the kernels above
     (glm5.model.model.DecoderLayer over a paged step; glm5.infer.kernels.NativeLayerKernel).
 """
@@ -52,6 +53,7 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_gqa_decode": ([_P, _L, _L, _I, _I, _I, _P, _L, _P, _L, _P, _P, _F, _P, _I], _I),
     "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
+    "glm5_rope_heads": ([_P, _L, _L, _P, _P, _L, _I, _I], None),
     "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
     "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P,
                            _I], _I),
@@ -287,6 +289,22 @@ class NativeKernels:
         self.lib.glm5_rope(x.data_ptr(), ld, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), N, x.numel() // (N * P), P,
                    int(interleave))
         return out
+
+    def rope_heads_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+        """In place: the first `rotary_dim` values of each head of an fp32 CPU x [B, T, H, D] (any token and
+        head strides, last dim contiguous) rotated as `apply_rope(x[..., :rotary_dim], cos, sin, False)`
+        (half-split pairs), the rest left as they are; cos / sin contiguous [B, T, rotary_dim / 2]. Returns x."""
+        B, T, H, D = x.shape
+        half = rotary_dim // 2
+        ok = (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu" and rotary_dim % 2 == 0
+              and 0 < rotary_dim <= D and x.stride(-1) == 1 and (B == 1 or x.stride(0) == T * x.stride(1))
+              and tuple(cos.shape) == (B, T, half) and sin.shape == cos.shape and cos.is_contiguous()
+              and sin.is_contiguous())
+        if not ok:
+            raise ValueError(f"rope_heads_: unsupported x {list(x.shape)} {x.stride()} {x.dtype} / cos {list(cos.shape)}")
+        self.lib.glm5_rope_heads(x.data_ptr(), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(), B * T, H,
+                                 rotary_dim)
+        return x
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, ld: int | None = None) -> torch.Tensor:
         """RMSNorm over the last dim of an fp32 CPU x whose rows are evenly spaced (contiguous, or a column

@@ -5,6 +5,7 @@
  *   glm5_latent_decode dense absorbed-MLA attention     == glm5.model.latent_attention.dense_latent_attention
  *   glm5_mla_decode    the same with W_uk and W_uv      == MLAttention.absorb_q / .latent_to_heads around it
  *   glm5_rope          rotary embedding                 == glm5.model.layers.apply_rope
+ *   glm5_rope_heads    the same in place on head rows   == GQAttention._rotate (half-split, partial)
  *   glm5_rms_norm      RMSNorm, fp32                    == glm5.model.layers.RMSNorm
  *   glm5_linear        a few rows through a linear layer == torch.nn.functional.linear
  *   glm5_decode_layer  a decoder layer at decode         == glm5.model.model.DecoderLayer (paged, no selection)
@@ -626,6 +627,24 @@ void glm5_rope(const float *x, long ldx, const float *cs, const float *sn, float
                 float x1 = interleave ? xr[2 * i] : xr[i], x2 = interleave ? xr[2 * i + 1] : xr[i + half];
                 yr[i] = x1 * c[i] - x2 * s[i];
                 yr[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* In place, half-split pairs (x[i], x[i + P/2]) only: the first P values of each head row x + t * lt + h * lh
+ * (N tokens x H heads) rotated by token t's angles (cs / sn [N, P/2]); values past P are left as they are
+ * (partial rotary). The same arithmetic as glm5_rope with interleave = 0. */
+void glm5_rope_heads(float *x, long lt, long lh, const float *cs, const float *sn, long N, int H, int P) {
+    int half = P / 2;
+    for (long t = 0; t < N; t++) {
+        const float *c = cs + t * half, *s = sn + t * half;
+        for (int h = 0; h < H; h++) {
+            float *xr = x + t * lt + h * lh;
+            for (int i = 0; i < half; i++) {
+                float x1 = xr[i], x2 = xr[i + half];
+                xr[i] = x1 * c[i] - x2 * s[i];
+                xr[half + i] = x2 * c[i] + x1 * s[i];
             }
         }
     }
