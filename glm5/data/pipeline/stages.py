@@ -1,4 +1,5 @@
-"""Per-shard work of the pipeline, run in worker processes: the local pass and the final pass.
+"""Per-shard work of the pipeline, run as executor jobs: the local pass, the quality sample and training,
+the final pass.
 
 Local pass (`local_shard`): normalise -> langid -> rule filters -> PII -> exact key + MinHash signature.
 Final pass (`final_shard`): drop global duplicates -> quality score/threshold -> domain tags -> write.
@@ -8,9 +9,11 @@ carry per-stage in/out counts, input bytes and seconds, so throughput per stage 
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -149,3 +152,37 @@ def _dedup_stage(docs: list[dict], removed: dict[int, list], stats: StageStats, 
         excluded.append(exclusion(d, "dedup", hit[0], dup_of=hit[1]))
     stats.add("dedup", len(docs), len(kept), b0, time.perf_counter() - t0)
     return kept
+
+
+def sample_shard(cfg: DataConfig, local_dir: Path, gone: dict[int, list]) -> list[tuple[int, str, str]]:
+    """Quality-training candidates of one shard: its `max_train_docs` surviving documents with the
+    smallest crc32(id), as (-crc32, id, text) items (the shard's share of a fixed, shard-independent
+    sample; `merge_samples` picks the global ones)."""
+    heap: list[tuple[int, str, str]] = []
+    for i, d in enumerate(read_jsonl(local_dir / "docs.jsonl.gz")):
+        if i in gone or (cfg.quality.positive_sources and d.get("source") not in cfg.quality.positive_sources):
+            continue
+        item = (-zlib.crc32(d["id"].encode()), d["id"], d["text"])
+        if len(heap) < cfg.quality.max_train_docs:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+    return heap
+
+
+def merge_samples(picks: list[list[tuple[int, str, str]]], k: int) -> list[str]:
+    """The texts of the k largest items over all shards' picks, largest first."""
+    return [text for _, _, text in heapq.nlargest(k, (item for p in picks for item in p))]
+
+
+def train_quality(cfg: DataConfig, positives: list[str], out_root: Path) -> dict:
+    """Train the quality classifier; writes quality_model.npz, then work/quality.json (the done marker)."""
+    from .quality import train
+
+    model, metrics = train(positives, cfg.quality)
+    tmp = out_root / "work" / ".tmp-quality_model.npz"
+    model.save(tmp)
+    os.replace(tmp, out_root / "quality_model.npz")
+    info = {**metrics, "positives": len(positives)}
+    atomic_write_json(out_root / "work" / "quality.json", info)
+    return info
