@@ -21,6 +21,10 @@ from glm5.core.resources import resolve_path
 
 def open_text(path: str | Path):
     path = str(path)
+    if "://" in path:  # fsspec URL (see expand_inputs)
+        import fsspec
+
+        return fsspec.open(path, "rt", encoding="utf-8", compression="gzip" if path.endswith(".gz") else None).open()
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
@@ -56,17 +60,33 @@ def write_jsonl(path: str | Path, docs: Iterable[dict]) -> int:
     return n
 
 
-def expand_inputs(patterns: list[str]) -> list[Path]:
-    """Files and globs (`bundled:corpus/train.jsonl.gz` names the packaged corpus) -> existing files."""
-    files: list[Path] = []
+def expand_inputs(patterns: list[str]) -> list[str]:
+    """Files and globs -> existing files, each pattern's matches sorted. `bundled:corpus/train.jsonl.gz`
+    names the packaged corpus; a URL (`s3://...`, `gs://...`, `memory://...`) is read through fsspec
+    (installed apart; any filesystem it supports). A pattern matching nothing is an error naming it."""
+    files: list[str] = []
     for p in map(str, patterns):
-        p = str(resolve_path(p))
-        matches = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
-        files += [Path(m) for m in matches]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing or not files:
-        raise FileNotFoundError(f"input files not found: {missing or patterns}")
+        if "://" in p:
+            fs, matches = _fsspec_glob(p)
+        else:
+            p = str(resolve_path(p))
+            matches = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p] if Path(p).is_file() else []
+        if not matches:
+            raise FileNotFoundError(f"input {'pattern' if any(c in p for c in '*?[') else 'file'} {p!r} "
+                                    "matches no file")
+        files += matches
     return files
+
+
+def _fsspec_glob(url: str) -> tuple[object, list[str]]:
+    """(filesystem, sorted matching URLs) of an fsspec URL or URL glob."""
+    try:
+        import fsspec
+    except ImportError:
+        raise FileNotFoundError(f"input {url!r}: reading URLs needs fsspec (pip install fsspec)") from None
+    fs, _, _ = fsspec.get_fs_token_paths(url)
+    paths = sorted(fs.glob(url)) if any(c in url for c in "*?[") else [url] if fs.isfile(url) else []
+    return fs, [fs.unstrip_protocol(p) for p in paths]
 
 
 def make_input_shards(patterns: list[str], text_key: str, shard_docs: int, out_dir: Path, limit: int = 0) -> dict:
@@ -100,9 +120,9 @@ def _flush(out_dir: Path, index: int, docs: list[dict]) -> dict:
     return {"path": path.name, "num_docs": len(docs)}
 
 
-def _iter_inputs(files: list[Path], text_key: str) -> Iterator[dict]:
+def _iter_inputs(files: list[str], text_key: str) -> Iterator[dict]:
     for f in files:
-        stem = f.name.split(".")[0]
+        stem = f.rstrip("/").rsplit("/", 1)[-1].split(".")[0]
         for i, doc in enumerate(read_jsonl(f)):
             if text_key != "text":
                 doc["text"] = doc.pop(text_key)
