@@ -30,15 +30,19 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> Path:
+def write_sample(path: Path) -> Path:
+    """Every 120th bundled document (~240, 4 shards of 60) plus an exact and a near duplicate."""
     docs = [d for i, d in enumerate(read_jsonl(bundled("corpus/train.jsonl.gz"))) if i % 120 == 0]
     prose = next(d for d in docs if d["source"] == "python-docs")
     docs.append({**prose, "id": "planted/exact", "text": prose["text"].upper()})
     docs.append({**prose, "id": "planted/near", "text": prose["text"].replace("the", "a", 3)})
-    path = tmp_path_factory.mktemp("corpus") / "sample.jsonl.gz"
     write_jsonl(path, docs)
     return path
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> Path:
+    return write_sample(tmp_path_factory.mktemp("corpus") / "sample.jsonl.gz")
 
 
 def _cfg(sample: Path, out: Path, *overrides: str) -> DataConfig:
