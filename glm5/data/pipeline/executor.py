@@ -110,13 +110,14 @@ class RayExecutor:
         if not ray.is_initialized():
             if cfg.ray_address and cfg.ray_address != "auto":
                 check_reachable(cfg.ray_address)
-            # Workers import glm5 the way this process does (a source checkout on PYTHONPATH included).
-            env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
             if cfg.ray_address:
+                # Workers import glm5 the way this process does (a source checkout on PYTHONPATH included).
+                # A local cluster's workers inherit this environment; a runtime_env there would only make
+                # Ray start fresh workers instead of the ones it prestarted.
+                env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
                 ray.init(address=cfg.ray_address, runtime_env=env, log_to_driver=False)
             else:
-                ray.init(num_cpus=cfg.num_workers or os.cpu_count(), include_dashboard=False,
-                         runtime_env=env, log_to_driver=False)
+                ray.init(num_cpus=cfg.num_workers or os.cpu_count(), include_dashboard=False, log_to_driver=False)
             self.started = True
         self.task = ray.remote(num_cpus=1, max_retries=cfg.max_retries, retry_exceptions=True)(_run_job)
 
