@@ -200,3 +200,28 @@ def test_ray_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
     with pytest.raises(ConfigError, match=r"needs Ray: pip install .*\[cluster\]"):
         RayExecutor(ExecutorConfig(executor="ray"))
+
+
+def test_dedup_resumes_at_partition_granularity(sample, tmp_path, monkeypatch):
+    from glm5.data.pipeline import dedup_shuffle
+
+    base = tmp_path / "base"
+    runner.run(_cfg(f"['{sample}']", base))
+    real = dedup_shuffle.keep_partition
+
+    def bad(cfg, work, p):
+        if p == 5:
+            raise RuntimeError("killed")
+        return real(cfg, work, p)
+    monkeypatch.setattr(dedup_shuffle, "keep_partition", bad)
+    out = tmp_path / "resumed"
+    with pytest.raises(JobFailed, match="dedup keep partition 005 failed"):
+        runner.run(_cfg(f"['{sample}']", out))
+    monkeypatch.undo()
+    d = out / "work" / "dedup"
+    done = {p: p.stat().st_mtime_ns for p in [*d.glob("lsh/*.npz"), *d.glob("exact/*.npz"), *d.glob("keep/*.json")]}
+    assert len(list(d.glob("keep/*.json"))) == 5 and not (out / "work" / "dedup.json").exists()
+    runner.run(_cfg(f"['{sample}']", out))
+    assert {p: p.stat().st_mtime_ns for p in done} == done  # finished jobs were not redone
+    assert len(list(d.glob("keep/*.json"))) == 8
+    assert _outputs(out) == _outputs(base)

@@ -3,7 +3,7 @@
 Every step reads and writes files under `work/dedup/` atomically and is skipped when its output exists,
 so the phase resumes at job granularity. With P = `run.dedup_partitions`:
   1. bucket (per shard)       exact keys and LSH band records, split by partition -> `buckets/NNNNN/`
-  2. exact (per partition)    first-copy exact duplicates among that partition's keys -> `exact/PPP.json`
+  2. exact (per partition)    first-copy exact duplicates among that partition's keys -> `exact/PPP.npz`
   3. lsh (per partition)      band records of exact survivors -> candidate pairs -> verified pairs, and
                               their union-find components -> `lsh/PPP.npz`
   4. merge (driver)           union-find over the partitions' (node, root) pairs -> `components.npz`
@@ -57,8 +57,9 @@ def exact_partition(cfg: DataConfig, work: Path, num_shards: int, p: int) -> Non
     """Step 2: exact duplicates among partition p's keys: {index: first index with the key}."""
     items = [it for s in range(num_shards) if (f := _bucket(work, s) / f"keys-{p:03d}.json").is_file()
              for it in json.loads(f.read_text())]
-    dups = exact_dups(np.array([g for g, _ in items], np.int64), [key for _, key in items])
-    atomic_write_json(work / "dedup" / "exact" / f"{p:03d}.json", {str(g): t for g, t in sorted(dups.items())})
+    dups = sorted(exact_dups(np.array([g for g, _ in items], np.int64), [key for _, key in items]).items())
+    _save_npz(work / "dedup" / "exact" / f"{p:03d}.npz", idx=np.array([g for g, _ in dups], np.int64).reshape(-1),
+              twin=np.array([t for _, t in dups], np.int64).reshape(-1))
 
 
 def lsh_partition(cfg: DataConfig, work: Path, offsets: list[int], p: int) -> None:
@@ -70,8 +71,8 @@ def lsh_partition(cfg: DataConfig, work: Path, offsets: list[int], p: int) -> No
     idx = np.concatenate([x["idx"] for x in recs]) if recs else np.zeros(0, np.int64)
     band = np.concatenate([x["band"] for x in recs]) if recs else np.zeros(0, np.int32)
     vals = np.concatenate([x["vals"] for x in recs]) if recs else np.zeros((0, r), np.uint64)
-    gone = np.array(sorted(int(g) for q in range(parts) if cfg.dedup.exact
-                           for g in json.loads((work / "dedup" / "exact" / f"{q:03d}.json").read_text())), np.int64)
+    gone = np.concatenate([np.zeros(0, np.int64)] + [np.load(work / "dedup" / "exact" / f"{q:03d}.npz")["idx"]
+                                                     for q in range(parts) if cfg.dedup.exact])  # 8 B per dup
     keep = ~np.isin(idx, gone)
     pairs = candidate_pairs(idx[keep], band[keep], vals[keep])
     sig_a, sig_b = load_signatures(work, offsets, pairs[:, 0]), load_signatures(work, offsets, pairs[:, 1])
@@ -128,12 +129,12 @@ def run_dedup(cfg: DataConfig, work: Path, num_shards: int,
                  [f"dedup bucket shard {s:05d}" for s in todo], "dedup: bucket")
     removed: dict[int, tuple[str, int]] = {}
     if cfg.dedup.exact:
-        todo = [p for p in range(parts) if not (d / "exact" / f"{p:03d}.json").is_file()]
+        todo = [p for p in range(parts) if not (d / "exact" / f"{p:03d}.npz").is_file()]
         executor.map(exact_partition, [(cfg, work, num_shards, p) for p in todo],
                      [f"dedup exact partition {p:03d}" for p in todo], "dedup: exact")
         for p in range(parts):
-            removed.update({int(g): ("exact_dup", t) for g, t in
-                            json.loads((d / "exact" / f"{p:03d}.json").read_text()).items()})
+            x = np.load(d / "exact" / f"{p:03d}.npz")
+            removed.update({g: ("exact_dup", t) for g, t in zip(x["idx"].tolist(), x["twin"].tolist())})
     if cfg.dedup.minhash:
         todo = [p for p in range(parts) if not (d / "lsh" / f"{p:03d}.npz").is_file()]
         executor.map(lsh_partition, [(cfg, work, offsets, p) for p in todo],
