@@ -137,12 +137,13 @@ class RayExecutor:
                 i = pending.pop(done[0])
                 try:
                     out[i] = ray.get(done[0])
-                except Exception as e:  # noqa: BLE001 (RayTaskError, WorkerCrashedError, ...)
+                except Exception as e:  # noqa: BLE001 (RayTaskError wraps the job's exception; WorkerCrashedError, ...)
                     for ref in pending:
                         ray.cancel(ref)
-                    cause = getattr(e, "cause", None) or e
+                    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+                    lines = str(cause).strip().splitlines() or [""]
                     raise JobFailed(f"{names[i]} failed after {self.cfg.max_retries + 1} attempts: "
-                                    f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from None
+                                    f"{type(cause).__name__}: {lines[-1]}") from None
                 bar.update()
         return out
 
