@@ -63,16 +63,21 @@ def bench_executors(tmp: Path, executors: list[str], workers: list[int]) -> dict
     for w in workers:
         for ex in executors:
             stats, out = bench_pipeline(tmp, w, ex)
-            rows.append({"executor": ex, "workers": w, "total_wall_s": stats["total_wall_s"],
+            phases = round(sum(stats["wall_seconds"].values()), 2)  # without the executor's start and stop
+            rows.append({"executor": ex, "workers": w, "total_wall_s": stats["total_wall_s"], "phases_s": phases,
+                         "start_stop_s": round(stats["total_wall_s"] - phases, 2),
                          "docs_per_s": round(stats["num_in"] / stats["total_wall_s"], 1),
                          "wall_seconds": stats["wall_seconds"], "num_out": stats["num_out"], "digest": _digest(out)})
             outs.append(out)
     wall = {(r["executor"], r["workers"]): r["total_wall_s"] for r in rows}
+    phases = {(r["executor"], r["workers"]): r["phases_s"] for r in rows}
     summary = {"identical_outputs": len({r["digest"] for r in rows}) == 1,
                "scaling": {ex: round(wall[(ex, workers[0])] / wall[(ex, workers[-1])], 2) for ex in executors
                            if len(workers) > 1},
                "ray_over_local_wall": {w: round(wall[("ray", w)] / wall[("local", w)], 2) for w in workers
-                                       if ("ray", w) in wall and ("local", w) in wall}}
+                                       if ("ray", w) in wall and ("local", w) in wall},
+               "ray_over_local_phases": {w: round(phases[("ray", w)] / phases[("local", w)], 2) for w in workers
+                                         if ("ray", w) in phases and ("local", w) in phases}}
     return {"rows": rows, **summary}, outs[0]
 
 

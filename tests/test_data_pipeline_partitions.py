@@ -225,3 +225,19 @@ def test_dedup_resumes_at_partition_granularity(sample, tmp_path, monkeypatch):
     assert {p: p.stat().st_mtime_ns for p in done} == done  # finished jobs were not redone
     assert len(list(d.glob("keep/*.json"))) == 8
     assert _outputs(out) == _outputs(base)
+
+
+def test_input_sharding_is_a_job_per_file_or_one_with_a_limit(tmp_path):
+    from glm5.data.pipeline.shards import make_input_shards
+
+    for name, n in (("a", 5), ("b", 3)):
+        write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name} {i}"} for i in range(n)])
+    ex = LocalExecutor(ExecutorConfig(num_workers=2))
+    m = make_input_shards([str(tmp_path / "*.jsonl")], "text", 2, tmp_path / "s1", 0, ex)
+    assert [(s["path"], s["num_docs"]) for s in m["shards"]] == [
+        ("input-00000-00000.jsonl.gz", 2), ("input-00000-00001.jsonl.gz", 2), ("input-00000-00002.jsonl.gz", 1),
+        ("input-00001-00000.jsonl.gz", 2), ("input-00001-00001.jsonl.gz", 1)]
+    docs = [d for s in m["shards"] for d in read_jsonl(tmp_path / "s1" / s["path"])]
+    assert [d["id"] for d in docs] == [f"a/{i}" for i in range(5)] + [f"b/{i}" for i in range(3)]
+    m = make_input_shards([str(tmp_path / "*.jsonl")], "text", 2, tmp_path / "s2", 6, ex)
+    assert m["num_docs"] == 6 and [s["num_docs"] for s in m["shards"]] == [2, 2, 2]

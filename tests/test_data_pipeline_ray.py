@@ -14,7 +14,7 @@ from glm5.core.config import load_config
 from glm5.core.resources import bundled
 from glm5.data.pipeline import runner, stages
 from glm5.data.pipeline.config import DataConfig
-from glm5.data.pipeline.executor import ExecutorConfig, JobFailed, RayExecutor
+from glm5.data.pipeline.executor import ExecutorConfig, JobFailed, LocalExecutor, RayExecutor
 from glm5.data.pipeline.shards import make_input_shards, read_jsonl, write_jsonl
 
 ray = pytest.importorskip("ray")  # the `cluster` extra; CI installs it (.ci/run)
@@ -31,13 +31,16 @@ def ray_session():
 
 
 def write_sample(path: Path) -> Path:
-    """Every 120th bundled document (~240, 4 shards of 60) plus an exact and a near duplicate."""
+    """Every 120th bundled document (179, 4 shards of <= 60) plus an exact and a near duplicate; a second file
+    (`sample-b`, 3 shards) holds every 120th from offset 60: input sharding has two jobs. Returns the glob."""
     docs = [d for i, d in enumerate(read_jsonl(bundled("corpus/train.jsonl.gz"))) if i % 120 == 0]
     prose = next(d for d in docs if d["source"] == "python-docs")
     docs.append({**prose, "id": "planted/exact", "text": prose["text"].upper()})
     docs.append({**prose, "id": "planted/near", "text": prose["text"].replace("the", "a", 3)})
     write_jsonl(path, docs)
-    return path
+    write_jsonl(path.with_name("sample-b.jsonl.gz"),
+                [d for i, d in enumerate(read_jsonl(bundled("corpus/train.jsonl.gz"))) if i % 120 == 60])
+    return path.with_name("sample*.jsonl.gz")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,7 @@ def local_run(sample, tmp_path_factory) -> Path:
 def test_ray_run_matches_local_executor(local_run, sample, tmp_path, workers):
     out = tmp_path / "ray"
     stats = runner.run(_cfg(sample, out, "--run.executor=ray", f"--run.num_workers={workers}"))
-    assert stats["num_shards"] == 4 and stats["drops"]["dedup:near_dup"] >= 1 and stats["drops"]["dedup:exact_dup"] >= 1
+    assert stats["num_shards"] == 7 and stats["drops"]["dedup:near_dup"] >= 1 and stats["drops"]["dedup:exact_dup"] >= 1
     assert outputs(out) == outputs(local_run)
 
 
@@ -89,7 +92,8 @@ def _dies_once(marker: Path, *job):
 @pytest.mark.slow
 def test_killed_worker_is_retried_with_the_same_result(local_run, sample, tmp_path):
     cfg = _cfg(sample, tmp_path)
-    manifest = make_input_shards([str(sample)], "text", cfg.run.shard_docs, tmp_path / "shards")
+    manifest = make_input_shards([str(sample)], "text", cfg.run.shard_docs, tmp_path / "shards", 0,
+                                 LocalExecutor(cfg.run))
     jobs = [(tmp_path / f"marker-{i}", cfg, tmp_path / "shards" / s["path"], tmp_path / "local" / f"{i:05d}")
             for i, s in enumerate(manifest["shards"][:2])]
     RayExecutor(ExecutorConfig(executor="ray", num_workers=2, max_retries=1)).map(

@@ -6,7 +6,7 @@ Layout of `run.output_dir`:
     stats.json                     per-stage in/out counts, drop reasons, PII counts, quality metrics
     quality_model.npz              the trained quality classifier
     work/                          resumable intermediate state (input shards, local pass, dedup, markers)
-Phases: input sharding -> local pass (parallel) -> global dedup (partitioned) -> quality training (sample
+Phases: input sharding (a job per input file) -> local pass (parallel) -> global dedup (partitioned) -> quality training (sample
 per shard, one training job) -> final pass (parallel) -> stats. The jobs run on `run.executor` (local
 process pool or Ray, `executor.py`): the same stage functions, so the same bytes. Every phase's output is written atomically and checked before the phase runs, so a
 rerun after a crash or kill skips finished work and produces the same bytes as one clean run.
@@ -51,7 +51,7 @@ def _run(cfg: DataConfig, out: Path, work: Path, executor: Executor) -> dict:
     walls: dict[str, float] = {}
     t = time.perf_counter()
     manifest = make_input_shards(cfg.input.paths, cfg.input.text_key, cfg.run.shard_docs, work / "shards",
-                                 cfg.input.limit)
+                                 cfg.input.limit, executor)
     num_shards = len(manifest["shards"])
     walls["shard_input"] = time.perf_counter() - t
     t = time.perf_counter()
