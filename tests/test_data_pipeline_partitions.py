@@ -218,7 +218,7 @@ def test_dedup_resumes_at_partition_granularity(sample, tmp_path, monkeypatch):
     with pytest.raises(JobFailed, match="dedup keep partition 005 failed"):
         runner.run(_cfg(f"['{sample}']", out))
     monkeypatch.undo()
-    d = out / "work" / "dedup"
+    d = out / "work" / "dedup" / "p8"
     done = {p: p.stat().st_mtime_ns for p in [*d.glob("lsh/*.npz"), *d.glob("exact/*.npz"), *d.glob("keep/*.json")]}
     assert len(list(d.glob("keep/*.json"))) == 5 and not (out / "work" / "dedup.json").exists()
     runner.run(_cfg(f"['{sample}']", out))

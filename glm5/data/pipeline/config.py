@@ -31,7 +31,7 @@ class RunConfig(ExecutorConfig):
 
     output_dir: str = "runs/data/clean"  # final shards in <output_dir>/data, exclusions in /excluded
     shard_docs: int = 2000  # documents per shard (memory per worker is bounded by one shard)
-    dedup_partitions: int = 8  # global dedup: exact keys and LSH band keys are shuffled into this many
+    dedup_partitions: int = 8  # global dedup: keys and LSH band records are split into this many (output unchanged)
     overwrite: bool = False  # allow reusing an output_dir whose recorded config differs (wipes it)
     progress: bool = True  # tqdm progress bars
 

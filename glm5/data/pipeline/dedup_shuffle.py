@@ -1,6 +1,6 @@
 """The global dedup phase over partitions, as jobs for any executor (`dedup.py` holds the rule itself).
 
-Every step reads and writes files under `work/dedup/` atomically and is skipped when its output exists,
+Every step reads and writes files under `work/dedup/p<P>/` atomically and is skipped when its output exists,
 so the phase resumes at job granularity. With P = `run.dedup_partitions`:
   1. bucket (per shard)       exact keys and LSH band records, split by partition -> `buckets/NNNNN/`
   2. exact (per partition)    first-copy exact duplicates among that partition's keys -> `exact/PPP.npz`
@@ -55,10 +55,10 @@ def bucket_shard(cfg: DataConfig, local_dir: Path, offset: int, out_dir: Path) -
 
 def exact_partition(cfg: DataConfig, work: Path, num_shards: int, p: int) -> None:
     """Step 2: exact duplicates among partition p's keys: {index: first index with the key}."""
-    items = [it for s in range(num_shards) if (f := _bucket(work, s) / f"keys-{p:03d}.json").is_file()
+    items = [it for s in range(num_shards) if (f := _bucket(cfg, work, s) / f"keys-{p:03d}.json").is_file()
              for it in json.loads(f.read_text())]
     dups = sorted(exact_dups(np.array([g for g, _ in items], np.int64), [key for _, key in items]).items())
-    _save_npz(work / "dedup" / "exact" / f"{p:03d}.npz", idx=np.array([g for g, _ in dups], np.int64).reshape(-1),
+    _save_npz(_dir(cfg, work) / "exact" / f"{p:03d}.npz", idx=np.array([g for g, _ in dups], np.int64).reshape(-1),
               twin=np.array([t for _, t in dups], np.int64).reshape(-1))
 
 
@@ -66,12 +66,12 @@ def lsh_partition(cfg: DataConfig, work: Path, offsets: list[int], p: int) -> No
     """Step 3: verified candidate pairs of partition p's band records (exact duplicates left out) and
     the union-find components of those pairs."""
     num_shards, parts = len(offsets) - 1, cfg.run.dedup_partitions
-    recs = [np.load(f) for s in range(num_shards) if (f := _bucket(work, s) / f"bands-{p:03d}.npz").is_file()]
+    recs = [np.load(f) for s in range(num_shards) if (f := _bucket(cfg, work, s) / f"bands-{p:03d}.npz").is_file()]
     r = cfg.dedup.rows_per_band
     idx = np.concatenate([x["idx"] for x in recs]) if recs else np.zeros(0, np.int64)
     band = np.concatenate([x["band"] for x in recs]) if recs else np.zeros(0, np.int32)
     vals = np.concatenate([x["vals"] for x in recs]) if recs else np.zeros((0, r), np.uint64)
-    gone = np.concatenate([np.zeros(0, np.int64)] + [np.load(work / "dedup" / "exact" / f"{q:03d}.npz")["idx"]
+    gone = np.concatenate([np.zeros(0, np.int64)] + [np.load(_dir(cfg, work) / "exact" / f"{q:03d}.npz")["idx"]
                                                      for q in range(parts) if cfg.dedup.exact])  # 8 B per dup
     keep = ~np.isin(idx, gone)
     pairs = candidate_pairs(idx[keep], band[keep], vals[keep])
@@ -79,7 +79,7 @@ def lsh_partition(cfg: DataConfig, work: Path, offsets: list[int], p: int) -> No
     edges = verify_pairs(pairs, sig_a, sig_b, cfg.dedup.verify_threshold)
     comp = components(edges)
     nodes = np.array(sorted(comp), np.int64)
-    _save_npz(work / "dedup" / "lsh" / f"{p:03d}.npz", edges=edges.reshape(-1, 2),
+    _save_npz(_dir(cfg, work) / "lsh" / f"{p:03d}.npz", edges=edges.reshape(-1, 2),
               nodes=nodes, roots=np.array([comp[n] for n in nodes.tolist()], np.int64))
 
 
@@ -98,34 +98,40 @@ def load_signatures(work: Path, offsets: list[int], idx: np.ndarray) -> np.ndarr
 
 def keep_partition(cfg: DataConfig, work: Path, p: int) -> None:
     """Step 5: the keep rule over the components whose root r has r % P == p."""
-    c = np.load(work / "dedup" / "components.npz")
+    c = np.load(_dir(cfg, work) / "components.npz")
     nodes, roots = c["nodes"], c["roots"]
     parts = cfg.run.dedup_partitions
-    edges = [np.load(work / "dedup" / "lsh" / f"{q:03d}.npz")["edges"] for q in range(parts)]
+    edges = [np.load(_dir(cfg, work) / "lsh" / f"{q:03d}.npz")["edges"] for q in range(parts)]
     e = np.concatenate(edges) if edges else np.zeros((0, 2), np.int64)
     if len(e):
         root = roots[np.searchsorted(nodes, e[:, 0])]
         e = e[root % parts == p]
-    atomic_write_json(work / "dedup" / "keep" / f"{p:03d}.json",
+    atomic_write_json(_dir(cfg, work) / "keep" / f"{p:03d}.json",
                       {str(g): t for g, t in sorted(keep_rule(e).items())})
 
 
-def _bucket(work: Path, s: int) -> Path:
-    return work / "dedup" / "buckets" / f"{s:05d}"
+def _dir(cfg: DataConfig, work: Path) -> Path:
+    """The phase's files for this partition count (so `run.dedup_partitions` may change between a killed
+    run and its rerun: it never changes the decisions)."""
+    return work / "dedup" / f"p{cfg.run.dedup_partitions}"
+
+
+def _bucket(cfg: DataConfig, work: Path, s: int) -> Path:
+    return _dir(cfg, work) / "buckets" / f"{s:05d}"
 
 
 def run_dedup(cfg: DataConfig, work: Path, num_shards: int,
               executor: Executor) -> tuple[dict[int, tuple[str, int]], list[int]]:
     """Steps 1-5; returns {global index: (reason, global index of the kept twin)} and the shards' first
     global indices (offsets [num_shards + 1])."""
-    d, parts = work / "dedup", cfg.run.dedup_partitions
+    d, parts = _dir(cfg, work), cfg.run.dedup_partitions
     for sub in ("buckets", "exact", "lsh", "keep"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     counts = [json.loads((work / "local" / f"{s:05d}" / "stats.json").read_text())["stages"]["signatures"]["out"]
               for s in range(num_shards)]
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-    todo = [s for s in range(num_shards) if not _bucket(work, s).is_dir()]
-    executor.map(bucket_shard, [(cfg, work / "local" / f"{s:05d}", offsets[s], _bucket(work, s)) for s in todo],
+    todo = [s for s in range(num_shards) if not _bucket(cfg, work, s).is_dir()]
+    executor.map(bucket_shard, [(cfg, work / "local" / f"{s:05d}", offsets[s], _bucket(cfg, work, s)) for s in todo],
                  [f"dedup bucket shard {s:05d}" for s in todo], "dedup: bucket")
     removed: dict[int, tuple[str, int]] = {}
     if cfg.dedup.exact:

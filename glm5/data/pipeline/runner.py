@@ -6,10 +6,11 @@ Layout of `run.output_dir`:
     stats.json                     per-stage in/out counts, drop reasons, PII counts, quality metrics
     quality_model.npz              the trained quality classifier
     work/                          resumable intermediate state (input shards, local pass, dedup, markers)
-Phases: input sharding (a job per input file) -> local pass (parallel) -> global dedup (partitioned) -> quality training (sample
-per shard, one training job) -> final pass (parallel) -> stats. The jobs run on `run.executor` (local
-process pool or Ray, `executor.py`): the same stage functions, so the same bytes. Every phase's output is written atomically and checked before the phase runs, so a
-rerun after a crash or kill skips finished work and produces the same bytes as one clean run.
+Phases: input sharding (a job per input file) -> local pass (parallel) -> global dedup (partitioned) ->
+quality training (sample per shard, one training job) -> final pass (parallel) -> stats. The jobs run on
+`run.executor` (local process pool or Ray, `executor.py`): the same stage functions, so the same bytes.
+Every phase's output is written atomically and checked before the phase runs, so a rerun after a crash
+or kill skips finished work and produces the same bytes as one clean run.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from .executor import Executor, make_executor
 from .shards import make_input_shards
 from .stats import aggregate
 
-RUNTIME_ONLY = ("executor", "ray_address", "num_workers", "max_retries", "progress", "overwrite")  # run options that do not change the output
+RUNTIME_ONLY = ("executor", "ray_address", "num_workers", "max_retries", "dedup_partitions", "progress",
+                "overwrite")  # run options that do not change the output
 
 
 def run(cfg: DataConfig) -> dict:
