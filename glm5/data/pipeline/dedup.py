@@ -184,13 +184,12 @@ def near_dups(idx: np.ndarray, sigs: np.ndarray, cfg: DedupConfig) -> np.ndarray
     return verify_pairs(pairs, a, b, cfg.verify_threshold)
 
 
-def global_dedup(keys: list[str], sigs: np.ndarray, cfg: DedupConfig, progress: bool = False) -> dict[int, tuple[str, int]]:
+def global_dedup(keys: list[str], sigs: np.ndarray, cfg: DedupConfig) -> dict[int, tuple[str, int]]:
     """Decide removals over all documents in global order, in one process (one partition).
 
     keys: exact keys [N]; sigs: [N, num_perm] uint64 (ignored when MinHash is off).
     Returns {global index: (reason, index of the kept duplicate)}.
     """
-    del progress  # kept for callers; the pieces are vectorised
     idx = np.arange(len(keys), dtype=np.int64)
     removed: dict[int, tuple[str, int]] = {}
     if cfg.exact:

@@ -128,16 +128,17 @@ def _dedup_phase(cfg: DataConfig, work: Path, num_shards: int, executor: Executo
 
 def _quality_phase(cfg: DataConfig, out: Path, num_shards: int, removed: dict, executor: Executor) -> str | None:
     """Train the quality classifier once on a sample (cached as quality_model.npz + work/quality.json):
-    each shard's candidates are picked by a job, the training runs as one job."""
+    jobs over groups of shards pick candidates (ids only), one job reads their texts and trains."""
     if not cfg.quality.enabled:
         return None
     path, info = out / "quality_model.npz", out / "work" / "quality.json"
     if info.is_file():
         return str(path)
-    work = out / "work"
-    picks = executor.map(stages.sample_shard, [(cfg, work / "local" / f"{s:05d}", removed.get(s, {}))
-                                               for s in range(num_shards)],
-                         [f"quality sample shard {s:05d}" for s in range(num_shards)], "quality: sample")
-    positives = stages.merge_samples(picks, cfg.quality.max_train_docs)
-    executor.map(stages.train_quality, [(cfg, positives, out)], ["quality training"], "quality: train")
+    size = max(1, -(-num_shards // stages.SAMPLE_JOBS))  # shards per sample job
+    groups = [list(range(a, min(a + size, num_shards))) for a in range(0, num_shards, size)]
+    picks = executor.map(stages.sample_shards, [(cfg, out / "work", g, {s: removed[s] for s in g if s in removed})
+                                                for g in groups],
+                         [f"quality sample shards {g[0]:05d}-{g[-1]:05d}" for g in groups], "quality: sample")
+    sample = stages.merge_samples(picks, cfg.quality.max_train_docs)
+    executor.map(stages.train_quality, [(cfg, sample, out)], ["quality training"], "quality: train")
     return str(path)

@@ -154,31 +154,46 @@ def _dedup_stage(docs: list[dict], removed: dict[int, list], stats: StageStats, 
     return kept
 
 
-def sample_shard(cfg: DataConfig, local_dir: Path, gone: dict[int, list]) -> list[tuple[int, str, str]]:
-    """Quality-training candidates of one shard: its `max_train_docs` surviving documents with the
-    smallest crc32(id), as (-crc32, id, text) items (the shard's share of a fixed, shard-independent
-    sample; `merge_samples` picks the global ones)."""
-    heap: list[tuple[int, str, str]] = []
-    for i, d in enumerate(read_jsonl(local_dir / "docs.jsonl.gz")):
-        if i in gone or (cfg.quality.positive_sources and d.get("source") not in cfg.quality.positive_sources):
-            continue
-        item = (-zlib.crc32(d["id"].encode()), d["id"], d["text"])
-        if len(heap) < cfg.quality.max_train_docs:
-            heapq.heappush(heap, item)
-        elif item > heap[0]:
-            heapq.heapreplace(heap, item)
+SAMPLE_JOBS = 256  # quality sample: at most this many jobs, so the driver merges <= 256 x max_train_docs picks
+
+
+def sample_shards(cfg: DataConfig, work: Path, shards: list[int], removed: dict[int, dict[int, list]]) -> list[tuple]:
+    """Quality-training candidates of a group of shards: the `max_train_docs` surviving documents with the
+    smallest crc32(id), as (-crc32, id, shard, index) items, without their texts (the group's share of a
+    fixed, shard-independent sample; `merge_samples` picks the global ones)."""
+    heap: list[tuple[int, str, int, int]] = []
+    for s in shards:
+        gone = removed.get(s, {})
+        for i, d in enumerate(read_jsonl(work / "local" / f"{s:05d}" / "docs.jsonl.gz")):
+            if i in gone or (cfg.quality.positive_sources and d.get("source") not in cfg.quality.positive_sources):
+                continue
+            item = (-zlib.crc32(d["id"].encode()), d["id"], s, i)
+            if len(heap) < cfg.quality.max_train_docs:
+                heapq.heappush(heap, item)
+            elif item > heap[0]:
+                heapq.heapreplace(heap, item)
     return heap
 
 
-def merge_samples(picks: list[list[tuple[int, str, str]]], k: int) -> list[str]:
-    """The texts of the k largest items over all shards' picks, largest first."""
-    return [text for _, _, text in heapq.nlargest(k, (item for p in picks for item in p))]
+def merge_samples(picks: list[list[tuple]], k: int) -> list[tuple]:
+    """The k largest items over all groups' picks, largest first."""
+    return heapq.nlargest(k, (item for p in picks for item in p))
 
 
-def train_quality(cfg: DataConfig, positives: list[str], out_root: Path) -> dict:
-    """Train the quality classifier; writes quality_model.npz, then work/quality.json (the done marker)."""
+def train_quality(cfg: DataConfig, sample: list[tuple], out_root: Path) -> dict:
+    """Read the sampled documents' texts, train the quality classifier on them; writes quality_model.npz,
+    then work/quality.json (the done marker)."""
     from .quality import train
 
+    want: dict[int, set[int]] = {}
+    for _, _, s, i in sample:
+        want.setdefault(s, set()).add(i)
+    texts: dict[tuple[int, int], str] = {}
+    for s, rows in want.items():
+        for i, d in enumerate(read_jsonl(out_root / "work" / "local" / f"{s:05d}" / "docs.jsonl.gz")):
+            if i in rows:
+                texts[s, i] = d["text"]
+    positives = [texts[s, i] for _, _, s, i in sample]
     model, metrics = train(positives, cfg.quality)
     tmp = out_root / "work" / ".tmp-quality_model.npz"
     model.save(tmp)
