@@ -181,10 +181,14 @@ def test_failing_shard_stops_the_run_naming_it_and_resume_works(sample, tmp_path
     argv = ["data", "run", "--config", "configs/data/default.toml", f"--input.paths=['{sample}']",
             f"--run.output_dir={out}", "--run.shard_docs=40", "--run.num_workers=1", "--run.progress=false",
             "--quality.max_train_docs=100"]
-    assert cli.main(argv) == 1
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("glm5 data run: local pass shard 00001 failed after 3 attempts: RuntimeError: disk on fire")
-    assert "\n" not in err and (out / "work" / "local" / "00000" / "stats.json").is_file()  # finished work kept
+    assert err == ("glm5 data: local pass shard 00001 failed after 3 attempts: RuntimeError: disk on fire; the "
+                   "finished shards are kept: rerun the same command to resume")
+    assert (out / "work" / "local" / "00000" / "stats.json").is_file()  # finished work kept
+    with pytest.raises(JobFailed) as e:  # --debug: the traceback, with the job's own exception chained
+        cli.main([*argv, "--debug"])
+    assert isinstance(e.value.__cause__.__cause__, RuntimeError)
     monkeypatch.undo()
     assert cli.main(argv) == 0
     assert _outputs(out) == _outputs(base)

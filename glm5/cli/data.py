@@ -26,7 +26,6 @@ def run_main(argv: list[str]) -> int:
     args, overrides = ap.parse_known_args(argv)
     from glm5.core.config import ConfigError, load_config
     from glm5.data.pipeline.config import DataConfig
-    from glm5.data.pipeline.executor import JobFailed
     from glm5.data.pipeline.runner import run
 
     try:
@@ -35,10 +34,6 @@ def run_main(argv: list[str]) -> int:
     except ConfigError as e:  # bad key/value, an output_dir holding another config's run, an unreachable Ray
         print(f"glm5 data run: {e}", file=sys.stderr)
         return 2
-    except JobFailed as e:  # a shard failed on every retry: finished shards are kept
-        print(f"glm5 data run: {e}; finished work is kept, rerun the same command to resume".replace("\n", " "),
-              file=sys.stderr)
-        return 1
     print(json.dumps({k: stats[k] for k in ("num_in", "num_out", "wall_seconds")}, indent=2))
     print(f"stats: {cfg.run.output_dir}/stats.json   documents: {cfg.run.output_dir}/data/")
     return 0

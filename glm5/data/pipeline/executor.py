@@ -30,7 +30,8 @@ class ExecutorConfig:
 
 
 class JobFailed(RuntimeError):
-    """A job failed on every attempt; its message names the job and the last exception."""
+    """A job failed on every attempt; its message names the job and the last exception (the CLI prints it
+    as one line, exit 2; `--debug` shows the chained traceback)."""
 
 
 class Executor(Protocol):
@@ -143,7 +144,7 @@ class RayExecutor:
                     cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
                     lines = str(cause).strip().splitlines() or [""]
                     raise JobFailed(f"{names[i]} failed after {self.cfg.max_retries + 1} attempts: "
-                                    f"{type(cause).__name__}: {lines[-1]}") from None
+                                    f"{type(cause).__name__}: {lines[-1]}") from e
                 bar.update()
         return out
 

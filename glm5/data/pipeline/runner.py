@@ -28,7 +28,7 @@ from glm5.core.io import atomic_write_json
 from . import stages
 from .config import DataConfig
 from .dedup_shuffle import run_dedup
-from .executor import Executor, make_executor
+from .executor import Executor, JobFailed, make_executor
 from .shards import make_input_shards
 from .stats import aggregate
 
@@ -45,6 +45,8 @@ def run(cfg: DataConfig) -> dict:
     executor = make_executor(cfg.run, cfg.run.progress)
     try:
         return _run(cfg, out, work, executor)
+    except JobFailed as e:
+        raise JobFailed(f"{e}; the finished shards are kept: rerun the same command to resume") from e
     finally:
         executor.close()
 
