@@ -133,7 +133,7 @@ class RayExecutor:
             while todo or pending:
                 while todo and len(pending) < limit:
                     i, job = todo.pop()
-                    pending[self.task.remote(fn_ref, job)] = i
+                    pending[self.task.options(name=names[i]).remote(fn_ref, job)] = i  # named in Ray's dashboard
                 done, _ = ray.wait(list(pending), num_returns=1)
                 i = pending.pop(done[0])
                 try:
