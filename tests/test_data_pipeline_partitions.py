@@ -245,3 +245,20 @@ def test_input_sharding_is_a_job_per_file_or_one_with_a_limit(tmp_path):
     assert [d["id"] for d in docs] == [f"a/{i}" for i in range(5)] + [f"b/{i}" for i in range(3)]
     m = make_input_shards([str(tmp_path / "*.jsonl")], "text", 2, tmp_path / "s2", 6, ex)
     assert m["num_docs"] == 6 and [s["num_docs"] for s in m["shards"]] == [2, 2, 2]
+
+
+def test_tokenize_on_a_process_pool_matches_in_process(tmp_path):
+    import shutil
+
+    from glm5.data.tokenize_cli import TokenizeConfig, run
+
+    def shards(workers: int) -> dict[str, bytes]:
+        out = tmp_path / "tokens"  # one directory: meta.json records its path
+        shutil.rmtree(out, ignore_errors=True)
+        run(TokenizeConfig(splits={"train": ["bundled:corpus/validation.jsonl.gz"]}, output=str(out), batch_docs=32,
+                           run=ExecutorConfig(num_workers=workers)))
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    one = shards(1)
+    assert sum(k.endswith(".bin") for k in one) == 1 and len(one["train/part-00000.bin"]) > 10_000
+    assert shards(2) == one  # 14 encode jobs over 2 processes, written in input order
