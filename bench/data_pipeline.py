@@ -6,14 +6,19 @@
    filters, plus variants with k words replaced (true 5-gram Jaccard computed exactly). Ours (20x5 with
    verification, and datatrove's 14x8 layout) vs datatrove's 4-stage MinHash (14x8, 5-grams) in the
    same process: time, recall at Jaccard >= 0.8, removals below 0.5.
-Run: `python bench/data_pipeline.py [--workers 2] [--out docs/bench-data.json]` (datatrove runs if it is
-importable, e.g. from a venv with `--system-site-packages`).
+3. `--executor ray` (or `local,ray`) with `--workers 1,2`: the full run once per executor and worker count
+   (`--run.executor`, a fresh output dir each): docs/s end to end (Ray's cluster start included, it is
+   part of a run), per-phase walls, scaling 1 -> 2 workers, Ray / local wall at equal workers, and
+   whether the outputs are byte-identical (data/, excluded/) across all of them.
+Run: `python bench/data_pipeline.py [--workers 2] [--executor local,ray --workers 1,2] [--out docs/bench-data.json]`
+(datatrove runs if it is importable, e.g. from a venv with `--system-site-packages`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import shutil
@@ -32,14 +37,48 @@ from glm5.data.pipeline.shards import read_jsonl, write_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench_pipeline(tmp: Path, workers: int) -> tuple[dict, Path]:
-    out = tmp / "clean"
+def bench_pipeline(tmp: Path, workers: int, executor: str = "local") -> tuple[dict, Path]:
+    out = tmp / f"clean-{executor}-{workers}"
     cfg = load_config(DataConfig, "configs/data/default.toml",
-                      [f"--run.output_dir={out}", f"--run.num_workers={workers}", "--run.progress=false"])
+                      [f"--run.output_dir={out}", f"--run.num_workers={workers}", "--run.progress=false",
+                       f"--run.executor={executor}"])
     t = time.perf_counter()
     stats = run(cfg)
     stats["total_wall_s"] = round(time.perf_counter() - t, 2)
     return stats, out
+
+
+def _digest(out: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(q for sub in ("data", "excluded") for q in (out / sub).glob("*")):
+        h.update(p.relative_to(out).as_posix().encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def bench_executors(tmp: Path, executors: list[str], workers: list[int]) -> dict:
+    """The full run per (executor, workers); rows, scaling and Ray / local ratios."""
+    rows, outs = [], []
+    for w in workers:
+        for ex in executors:
+            stats, out = bench_pipeline(tmp, w, ex)
+            phases = round(sum(stats["wall_seconds"].values()), 2)  # without the executor's start and stop
+            rows.append({"executor": ex, "workers": w, "total_wall_s": stats["total_wall_s"], "phases_s": phases,
+                         "start_stop_s": round(stats["total_wall_s"] - phases, 2),
+                         "docs_per_s": round(stats["num_in"] / stats["total_wall_s"], 1),
+                         "wall_seconds": stats["wall_seconds"], "num_out": stats["num_out"], "digest": _digest(out)})
+            outs.append(out)
+    wall = {(r["executor"], r["workers"]): r["total_wall_s"] for r in rows}
+    phases = {(r["executor"], r["workers"]): r["phases_s"] for r in rows}
+    summary = {"identical_outputs": len({r["digest"] for r in rows}) == 1,
+               "scaling": {ex: round(wall[(ex, workers[0])] / wall[(ex, workers[-1])], 2) for ex in executors
+                           if len(workers) > 1},
+               "ray_over_local_wall": {w: round(wall[("ray", w)] / wall[("local", w)], 2) for w in workers
+                                       if ("ray", w) in wall and ("local", w) in wall},
+               "ray_over_local_phases": {w: round(phases[("ray", w)] / phases[("local", w)], 2) for w in workers
+                                         if ("ray", w) in phases and ("local", w) in phases}}
+    return {"rows": rows, **summary}, outs[0]
 
 
 def planted_set(clean: Path, seed: int = 0) -> tuple[list[dict], dict[str, tuple[str, float]]]:
@@ -119,22 +158,29 @@ def datatrove(docs: list[dict], truth: dict, tmp: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, default=0, help="pipeline worker processes (0 = all cores)")
+    ap.add_argument("--workers", default="0", help="pipeline workers (0 = all cores); with --executor: a list, 1,2")
+    ap.add_argument("--executor", default=None, help="local, ray or local,ray: the executor rows (section 3)")
+    ap.add_argument("--skip-minhash", action="store_true", help="only the pipeline rows")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:
-        stats, clean = bench_pipeline(tmp, args.workers)
-        docs, truth = planted_set(clean)
-        results = {
-            "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
-            "pipeline": {k: stats[k] for k in ("num_in", "num_out", "total_wall_s", "wall_seconds", "stages",
-                                               "quality_model")},
-            "minhash": {"ours_20x5_verify0.7": ours(docs, truth, DedupConfig()),
-                        "ours_14x8_noverify": ours(docs, truth, DedupConfig(num_bands=14, rows_per_band=8,
-                                                                             verify_threshold=0.0)),
-                        "datatrove_14x8": datatrove(docs, truth, tmp)},
-        }
+        workers = [int(w) for w in args.workers.split(",")]
+        results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                                    f"load average {os.getloadavg()[0]:.1f} at start"}
+        if args.executor:
+            results["executors"], clean = bench_executors(tmp, args.executor.split(","), workers)
+        else:
+            stats, clean = bench_pipeline(tmp, workers[0])
+            results["pipeline"] = {k: stats[k] for k in ("num_in", "num_out", "total_wall_s", "wall_seconds",
+                                                         "stages", "quality_model")}
+        if not args.skip_minhash:
+            docs, truth = planted_set(clean)
+            results["minhash"] = {"ours_20x5_verify0.7": ours(docs, truth, DedupConfig()),
+                                  "ours_14x8_noverify": ours(docs, truth, DedupConfig(
+                                      num_bands=14, rows_per_band=8, verify_threshold=0.0)),
+                                  "datatrove_14x8": datatrove(docs, truth, tmp)}
+        results["load_average_at_end"] = round(os.getloadavg()[0], 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(results, indent=2)

@@ -31,7 +31,7 @@ def run_main(argv: list[str]) -> int:
     try:
         cfg = load_config(DataConfig, args.config, overrides)
         stats = run(cfg)
-    except ConfigError as e:  # bad key/value, or an output_dir holding a run with another config
+    except ConfigError as e:  # bad key/value, an output_dir holding another config's run, an unreachable Ray
         print(f"glm5 data run: {e}", file=sys.stderr)
         return 2
     print(json.dumps({k: stats[k] for k in ("num_in", "num_out", "wall_seconds")}, indent=2))

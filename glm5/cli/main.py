@@ -48,13 +48,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from glm5.core.config import ConfigError  # noqa: PLC0415
     from glm5.core.io import CheckpointError  # noqa: PLC0415
     from glm5.data.sft import SFTDataError  # noqa: PLC0415
+    from glm5.data.pipeline.executor import JobFailed  # noqa: PLC0415
     from glm5.distill.prune import PruneError  # noqa: PLC0415
     from glm5.eval.loaders import DataError  # noqa: PLC0415
     from glm5.infer.infill import InfillError  # noqa: PLC0415
     from glm5.model.config import ModelConfigError  # noqa: PLC0415
     from glm5.model.peft_adapter import AdapterError  # noqa: PLC0415
 
-    return (ImageError, ConversionError, ConfigError, CheckpointError, SFTDataError, PruneError, DataError,
+    return (ImageError, ConversionError, ConfigError, CheckpointError, SFTDataError, JobFailed, PruneError, DataError,
             InfillError, ModelConfigError, AdapterError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
             PermissionError)
 

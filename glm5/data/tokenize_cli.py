@@ -9,14 +9,17 @@ Run: `glm5 data tokenize --config configs/data/tokenize.toml`.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from glm5.core.config import load_cli_config, to_dict
 from glm5.core.io import atomic_dir
+from glm5.data.pipeline.executor import Executor, ExecutorConfig, make_executor
 from glm5.data.shards import ShardWriter
 from glm5.data.tokenizer import GLMTokenizer, load_tokenizer
 from glm5.data.tokenizer_cli import expand_inputs
@@ -43,6 +46,8 @@ class TokenizeConfig:
     """Documents per encode batch."""
     max_tokens_per_part: int = 1 << 27
     """Roll over to a new part file after this many tokens."""
+    run: ExecutorConfig = field(default_factory=lambda: ExecutorConfig(num_workers=1))
+    """Where the encode batches run (`--run.executor=ray`, `--run.num_workers=N`); the shards are the same."""
 
 
 def sentence_end_ids(tokenizer: GLMTokenizer) -> list[int]:
@@ -69,22 +74,46 @@ def iter_docs(inputs: list[str], min_quality: float):
                     yield doc
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_tokenizer(path: str) -> GLMTokenizer:
+    return load_tokenizer(path)
+
+
+def encode_texts(tokenizer: str, texts: list[str]) -> list[list[int]]:
+    """One encode job: token ids of `texts` (the tokenizer is loaded once per worker process)."""
+    return _cached_tokenizer(tokenizer).encode_batch(texts)
+
+
 def tokenize_split(tokenizer: GLMTokenizer, inputs: list[str], out_dir: Path, cfg: TokenizeConfig,
-                   meta: dict) -> dict:
+                   meta: dict, executor: Executor) -> dict:
+    """Encode batches of `batch_docs` documents as executor jobs, a window of them at a time, and write
+    them in input order (so the shards do not depend on the executor or the worker count)."""
     writer = ShardWriter(out_dir, tokenizer.vocab_size, meta, cfg.max_tokens_per_part)
-    batch = []
+    window = 4 * (cfg.run.num_workers or os.cpu_count() or 1)
+    batches: list[list[dict]] = [[]]
+    done = 0
 
     def flush():
-        for doc, ids in zip(batch, tokenizer.encode_batch([d["text"] for d in batch])):
-            if cfg.append_eos:
-                ids.append(tokenizer.eos_token_id)
-            writer.add(ids, doc.get("source", ""), doc.get("lang", ""), doc.get("domain", ""))
-        batch.clear()
+        nonlocal done
+        full = [b for b in batches if b]
+        names = [f"tokenize batch {done + k}" for k in range(len(full))]
+        encoded = executor.map(encode_texts, [(cfg.tokenizer, [d["text"] for d in b]) for b in full], names,
+                               "tokenize")
+        for batch, ids_list in zip(full, encoded):
+            for doc, ids in zip(batch, ids_list):
+                if cfg.append_eos:
+                    ids.append(tokenizer.eos_token_id)
+                writer.add(ids, doc.get("source", ""), doc.get("lang", ""), doc.get("domain", ""))
+        done += len(full)
+        batches[:] = [[]]
 
     for doc in iter_docs(inputs, cfg.min_quality):
-        batch.append(doc)
-        if len(batch) >= cfg.batch_docs:
-            flush()
+        if len(batches[-1]) >= cfg.batch_docs:
+            if len(batches) >= window:
+                flush()
+            else:
+                batches.append([])
+        batches[-1].append(doc)
     flush()
     return writer.close()
 
@@ -96,7 +125,16 @@ def run(cfg: TokenizeConfig) -> dict[str, dict]:
             "special_tokens": tokenizer.special_tokens,
             "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
             "append_eos": cfg.append_eos, "sentence_end_ids": sentence_end_ids(tokenizer),
-            "config": to_dict(cfg)}
+            "config": {k: v for k, v in to_dict(cfg).items() if k != "run"}}  # run: where, not what
+    executor = make_executor(cfg.run)
+    try:
+        summary = _run_splits(cfg, tokenizer, meta, executor)
+    finally:
+        executor.close()
+    return summary
+
+
+def _run_splits(cfg: TokenizeConfig, tokenizer: GLMTokenizer, meta: dict, executor: Executor) -> dict[str, dict]:
     summary = {}
     for split, inputs in cfg.splits.items():
         final = Path(cfg.output).resolve() / split
@@ -104,7 +142,7 @@ def run(cfg: TokenizeConfig) -> dict[str, dict]:
         meta["tokenizer"] = str(final / "tokenizer")
         with atomic_dir(final) as tmp:
             tokenizer.save(tmp / "tokenizer")
-            m = tokenize_split(tokenizer, inputs, tmp, cfg, meta)
+            m = tokenize_split(tokenizer, inputs, tmp, cfg, meta, executor)
         summary[split] = {"docs": m["num_docs"], "tokens": m["num_tokens"], "dtype": m["dtype"],
                           "domains": m["categories"]["domain"]}
     return summary

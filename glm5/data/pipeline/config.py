@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .executor import ExecutorConfig
 
 # Chinese varieties the langid model separates; classical poems often score as Wu or Cantonese
 ZH_VARIETIES = {"wuu": "zh", "yue": "zh", "lzh": "zh", "gan": "zh", "hak": "zh", "nan": "zh", "cmn": "zh"}
@@ -24,10 +25,13 @@ class InputConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(ExecutorConfig):
+    """Run layout; the executor fields (executor, ray_address, num_workers, max_retries) change where
+    shards run, never the output."""
+
     output_dir: str = "runs/data/clean"  # final shards in <output_dir>/data, exclusions in /excluded
     shard_docs: int = 2000  # documents per shard (memory per worker is bounded by one shard)
-    num_workers: int = 0  # worker processes; 0 = all available cores, 1 = in-process (debuggable)
+    dedup_partitions: int = 8  # global dedup: keys and LSH band records are split into this many (output unchanged)
     overwrite: bool = False  # allow reusing an output_dir whose recorded config differs (wipes it)
     progress: bool = True  # tqdm progress bars
 

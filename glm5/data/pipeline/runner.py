@@ -6,35 +6,34 @@ Layout of `run.output_dir`:
     stats.json                     per-stage in/out counts, drop reasons, PII counts, quality metrics
     quality_model.npz              the trained quality classifier
     work/                          resumable intermediate state (input shards, local pass, dedup, markers)
-Phases: input sharding -> local pass (parallel) -> global dedup -> quality training -> final pass
-(parallel) -> stats. Every phase's output is written atomically and checked before the phase runs, so a
-rerun after a crash or kill skips finished work and produces the same bytes as one clean run.
+Phases: input sharding (a job per input file) -> local pass (parallel) -> global dedup (partitioned) ->
+quality training (sample per shard, one training job) -> final pass (parallel) -> stats. The jobs run on
+`run.executor` (local process pool or Ray, `executor.py`): the same stage functions, so the same bytes.
+Every phase's output is written atomically and checked before the phase runs, so a rerun after a crash
+or kill skips finished work and produces the same bytes as one clean run.
 """
 
 from __future__ import annotations
 
-import heapq
 import json
-import multiprocessing
-import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from glm5.core.config import ConfigError, to_dict
 from glm5.core.io import atomic_write_json
 
 from . import stages
 from .config import DataConfig
-from .dedup import global_dedup
-from .shards import make_input_shards, read_jsonl
+from .dedup_shuffle import run_dedup
+from .executor import Executor, JobFailed, make_executor
+from .shards import make_input_shards
 from .stats import aggregate
 
-RUNTIME_ONLY = ("num_workers", "progress", "overwrite")  # run options that do not change the output
+RUNTIME_ONLY = ("executor", "ray_address", "num_workers", "max_retries", "dedup_partitions", "progress",
+                "overwrite")  # run options that do not change the output
 
 
 def run(cfg: DataConfig) -> dict:
@@ -43,27 +42,38 @@ def run(cfg: DataConfig) -> dict:
     work = out / "work"
     _check_config(cfg, out)
     _remove_stale_temps(out)
+    executor = make_executor(cfg.run, cfg.run.progress)
+    try:
+        return _run(cfg, out, work, executor)
+    except JobFailed as e:
+        raise JobFailed(f"{e}; the finished shards are kept: rerun the same command to resume") from e
+    finally:
+        executor.close()
+
+
+def _run(cfg: DataConfig, out: Path, work: Path, executor: Executor) -> dict:
     walls: dict[str, float] = {}
     t = time.perf_counter()
     manifest = make_input_shards(cfg.input.paths, cfg.input.text_key, cfg.run.shard_docs, work / "shards",
-                                 cfg.input.limit)
+                                 cfg.input.limit, executor)
     num_shards = len(manifest["shards"])
     walls["shard_input"] = time.perf_counter() - t
     t = time.perf_counter()
-    jobs = [(cfg, work / "shards" / s["path"], work / "local" / f"{i:05d}") for i, s in enumerate(manifest["shards"])
-            if not (work / "local" / f"{i:05d}" / "stats.json").is_file()]
-    _parallel(stages.local_shard, jobs, cfg, "local pass")
+    todo = [i for i in range(num_shards) if not (work / "local" / f"{i:05d}" / "stats.json").is_file()]
+    executor.map(stages.local_shard, [(cfg, work / "shards" / manifest["shards"][i]["path"],
+                                       work / "local" / f"{i:05d}") for i in todo],
+                 [f"local pass shard {i:05d}" for i in todo], "local pass")
     walls["local_pass"] = time.perf_counter() - t
     t = time.perf_counter()
-    removed = _dedup_phase(cfg, work, num_shards)
+    removed = _dedup_phase(cfg, work, num_shards, executor)
     walls["global_dedup"] = time.perf_counter() - t
     t = time.perf_counter()
-    quality_path = _quality_phase(cfg, out, num_shards, removed)
+    quality_path = _quality_phase(cfg, out, num_shards, removed, executor)
     walls["quality_train"] = time.perf_counter() - t
     t = time.perf_counter()
-    jobs = [(cfg, i, work / "local" / f"{i:05d}", removed.get(i, {}), quality_path, out) for i in range(num_shards)
-            if not (work / "final" / f"{i:05d}.json").is_file()]
-    _parallel(stages.final_shard, jobs, cfg, "final pass")
+    todo = [i for i in range(num_shards) if not (work / "final" / f"{i:05d}.json").is_file()]
+    executor.map(stages.final_shard, [(cfg, i, work / "local" / f"{i:05d}", removed.get(i, {}), quality_path, out)
+                                      for i in todo], [f"final pass shard {i:05d}" for i in todo], "final pass")
     walls["final_pass"] = time.perf_counter() - t
     stats = aggregate(out, num_shards, manifest["num_docs"], walls)
     atomic_write_json(out / "stats.json", stats)
@@ -97,80 +107,40 @@ def _check_config(cfg: DataConfig, out: Path) -> None:
     atomic_write_json(path, _fingerprint(cfg))
 
 
-def _call(args):
-    fn, job = args
-    return fn(*job)
-
-
-def _parallel(fn, jobs: list[tuple], cfg: DataConfig, desc: str) -> list:
-    """Run `fn(*job)` for every job: in-process for one worker, else a process pool.
-
-    Fork (where available) skips re-importing numpy/torch in every worker; the workers run no torch or
-    OpenMP code, so threads the parent may hold cannot deadlock them."""
-    workers = min(cfg.run.num_workers or os.cpu_count() or 1, len(jobs))
-    bar = dict(desc=desc, total=len(jobs), unit="shard", disable=not cfg.run.progress)
-    if workers <= 1:
-        return [fn(*job) for job in tqdm(jobs, **bar)]
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with multiprocessing.get_context(method).Pool(workers) as pool:
-        return list(tqdm(pool.imap_unordered(_call, [(fn, j) for j in jobs]), **bar))
-
-
-def _dedup_phase(cfg: DataConfig, work: Path, num_shards: int) -> dict[int, dict[int, list]]:
-    """Global exact + MinHash decisions over every shard's keys/signatures (cached in dedup.json)."""
+def _dedup_phase(cfg: DataConfig, work: Path, num_shards: int, executor: Executor) -> dict[int, dict[int, list]]:
+    """Global exact + MinHash decisions over every shard's keys/signatures (`dedup_shuffle.py`, jobs on the
+    executor); cached as {shard: {local index: [reason, id of the kept twin]}} in dedup.json."""
     path = work / "dedup.json"
     if path.is_file():
         saved = json.loads(path.read_text())
         return {int(s): {int(i): v for i, v in d.items()} for s, d in saved.items()}
-    ids, keys, sigs, where = [], [], [], []
-    for s in range(num_shards):
-        local = work / "local" / f"{s:05d}"
-        k = json.loads((local / "keys.json").read_text())
-        ids += k["ids"]
-        keys += k["keys"]
-        where += [(s, i) for i in range(len(k["ids"]))]
-        if cfg.dedup.minhash and (local / "signatures.npy").is_file():
-            sigs.append(np.load(local / "signatures.npy"))
-    sig = np.concatenate(sigs) if sigs else np.zeros((0, 1), np.uint64)  # [N, num_perm]
     removed: dict[int, dict[int, list]] = {}
     if cfg.dedup.exact or cfg.dedup.minhash:
-        for g, (reason, twin) in global_dedup(keys, sig, cfg.dedup, cfg.run.progress).items():
-            s, i = where[g]
-            removed.setdefault(s, {})[i] = [reason, ids[twin]]
-    atomic_write_json(path, {str(s): {str(i): v for i, v in d.items()} for s, d in removed.items()})
+        decisions, offsets = run_dedup(cfg, work, num_shards, executor)
+        ids: dict[int, list[str]] = {}  # shard -> document ids, read for the shards holding a twin
+        for g, (reason, twin) in decisions.items():
+            s = int(np.searchsorted(offsets, g, side="right")) - 1
+            t = int(np.searchsorted(offsets, twin, side="right")) - 1
+            if t not in ids:
+                ids[t] = json.loads((work / "local" / f"{t:05d}" / "keys.json").read_text())["ids"]
+            removed.setdefault(s, {})[g - offsets[s]] = [reason, ids[t][twin - offsets[t]]]
+    atomic_write_json(path, {str(s): {str(i): v for i, v in sorted(d.items())} for s, d in sorted(removed.items())})
     return removed
 
 
-def _quality_phase(cfg: DataConfig, out: Path, num_shards: int, removed: dict) -> str | None:
-    """Train the quality classifier once (cached as quality_model.npz + work/quality.json)."""
+def _quality_phase(cfg: DataConfig, out: Path, num_shards: int, removed: dict, executor: Executor) -> str | None:
+    """Train the quality classifier once on a sample (cached as quality_model.npz + work/quality.json):
+    jobs over groups of shards pick candidates (ids only), one job reads their texts and trains."""
     if not cfg.quality.enabled:
         return None
     path, info = out / "quality_model.npz", out / "work" / "quality.json"
     if info.is_file():
         return str(path)
-    from .quality import train
-
-    positives = _sample_positives(cfg, out / "work", num_shards, removed)
-    model, metrics = train(positives, cfg.quality)
-    tmp = out / "work" / ".tmp-quality_model.npz"
-    model.save(tmp)
-    os.replace(tmp, path)
-    atomic_write_json(info, {**metrics, "positives": len(positives)})  # marker: written after the model
+    size = max(1, -(-num_shards // stages.SAMPLE_JOBS))  # shards per sample job
+    groups = [list(range(a, min(a + size, num_shards))) for a in range(0, num_shards, size)]
+    picks = executor.map(stages.sample_shards, [(cfg, out / "work", g, {s: removed[s] for s in g if s in removed})
+                                                for g in groups],
+                         [f"quality sample shards {g[0]:05d}-{g[-1]:05d}" for g in groups], "quality: sample")
+    sample = stages.merge_samples(picks, cfg.quality.max_train_docs)
+    executor.map(stages.train_quality, [(cfg, sample, out)], ["quality training"], "quality: train")
     return str(path)
-
-
-def _sample_positives(cfg: DataConfig, work: Path, num_shards: int, removed: dict) -> list[str]:
-    """The `max_train_docs` surviving documents with the smallest crc32(id): a fixed, shard-independent
-    sample, kept in a bounded heap (streaming)."""
-    heap: list[tuple[int, str, str]] = []
-    for s in range(num_shards):
-        gone = removed.get(s, {})
-        for i, d in enumerate(read_jsonl(work / "local" / f"{s:05d}" / "docs.jsonl.gz")):
-            if i in gone or (cfg.quality.positive_sources and d.get("source") not in cfg.quality.positive_sources):
-                continue
-            item = (-zlib.crc32(d["id"].encode()), d["id"], d["text"])
-            if len(heap) < cfg.quality.max_train_docs:
-                heapq.heappush(heap, item)
-            elif item > heap[0]:
-                heapq.heapreplace(heap, item)
-    return [text for _, _, text in sorted(heap, reverse=True)]

@@ -1,4 +1,5 @@
-"""Per-shard work of the pipeline, run in worker processes: the local pass and the final pass.
+"""Per-shard work of the pipeline, run as executor jobs: the local pass, the quality sample and training,
+the final pass.
 
 Local pass (`local_shard`): normalise -> langid -> rule filters -> PII -> exact key + MinHash signature.
 Final pass (`final_shard`): drop global duplicates -> quality score/threshold -> domain tags -> write.
@@ -8,9 +9,11 @@ carry per-stage in/out counts, input bytes and seconds, so throughput per stage 
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -149,3 +152,52 @@ def _dedup_stage(docs: list[dict], removed: dict[int, list], stats: StageStats, 
         excluded.append(exclusion(d, "dedup", hit[0], dup_of=hit[1]))
     stats.add("dedup", len(docs), len(kept), b0, time.perf_counter() - t0)
     return kept
+
+
+SAMPLE_JOBS = 256  # quality sample: at most this many jobs, so the driver merges <= 256 x max_train_docs picks
+
+
+def sample_shards(cfg: DataConfig, work: Path, shards: list[int], removed: dict[int, dict[int, list]]) -> list[tuple]:
+    """Quality-training candidates of a group of shards: the `max_train_docs` surviving documents with the
+    smallest crc32(id), as (-crc32, id, shard, index) items, without their texts (the group's share of a
+    fixed, shard-independent sample; `merge_samples` picks the global ones)."""
+    heap: list[tuple[int, str, int, int]] = []
+    for s in shards:
+        gone = removed.get(s, {})
+        for i, d in enumerate(read_jsonl(work / "local" / f"{s:05d}" / "docs.jsonl.gz")):
+            if i in gone or (cfg.quality.positive_sources and d.get("source") not in cfg.quality.positive_sources):
+                continue
+            item = (-zlib.crc32(d["id"].encode()), d["id"], s, i)
+            if len(heap) < cfg.quality.max_train_docs:
+                heapq.heappush(heap, item)
+            elif item > heap[0]:
+                heapq.heapreplace(heap, item)
+    return heap
+
+
+def merge_samples(picks: list[list[tuple]], k: int) -> list[tuple]:
+    """The k largest items over all groups' picks, largest first."""
+    return heapq.nlargest(k, (item for p in picks for item in p))
+
+
+def train_quality(cfg: DataConfig, sample: list[tuple], out_root: Path) -> dict:
+    """Read the sampled documents' texts, train the quality classifier on them; writes quality_model.npz,
+    then work/quality.json (the done marker)."""
+    from .quality import train
+
+    want: dict[int, set[int]] = {}
+    for _, _, s, i in sample:
+        want.setdefault(s, set()).add(i)
+    texts: dict[tuple[int, int], str] = {}
+    for s, rows in want.items():
+        for i, d in enumerate(read_jsonl(out_root / "work" / "local" / f"{s:05d}" / "docs.jsonl.gz")):
+            if i in rows:
+                texts[s, i] = d["text"]
+    positives = [texts[s, i] for _, _, s, i in sample]
+    model, metrics = train(positives, cfg.quality)
+    tmp = out_root / "work" / ".tmp-quality_model.npz"
+    model.save(tmp)
+    os.replace(tmp, out_root / "quality_model.npz")
+    info = {**metrics, "positives": len(positives)}
+    atomic_write_json(out_root / "work" / "quality.json", info)
+    return info

@@ -1,0 +1,158 @@
+"""Executors: run a plain function over a list of jobs (one per shard or partition), in job order.
+
+`local` (the default; needs no Ray): in-process for one worker, else a process pool on this machine.
+`ray`: one Ray task per job on a Ray cluster (`run.ray_address`; "" starts a local one sized to the
+machine). Both retry a failing job `max_retries` times (Ray also retries a task whose worker died) and,
+when a job fails on every attempt, raise `JobFailed` naming the job and the exception; the jobs that
+finished keep their outputs (every stage writes atomically), so a rerun resumes. The stage functions
+are the same for both: an executor only decides where they run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Protocol, Sequence
+
+from tqdm import tqdm
+
+from glm5.core.config import ConfigError
+
+
+@dataclass(kw_only=True)
+class ExecutorConfig:
+    executor: Literal["local", "ray"] = "local"  # where shard jobs run
+    ray_address: str = ""  # executor=ray: "" = start a local Ray cluster sized to num_workers/the machine
+    num_workers: int = 0  # parallel jobs; 0 = all cores (local) / all cluster CPUs (ray), 1 = in-process (local)
+    max_retries: int = 2  # attempts after the first for a failing job (a killed Ray worker included)
+
+
+class JobFailed(RuntimeError):
+    """A job failed on every attempt; its message names the job and the last exception (the CLI prints it
+    as one line, exit 2; `--debug` shows the chained traceback)."""
+
+
+class Executor(Protocol):
+    def map(self, fn: Callable[..., Any], jobs: Sequence[tuple], names: Sequence[str], desc: str) -> list: ...
+
+    def close(self) -> None: ...
+
+
+def _attempt(fn: Callable[..., Any], job: tuple, name: str, retries: int) -> Any:
+    for attempt in range(retries + 1):
+        try:
+            return fn(*job)
+        except Exception as e:  # noqa: BLE001 (retried, then reported with the job's name)
+            if attempt == retries:
+                raise JobFailed(f"{name} failed after {retries + 1} attempts: {type(e).__name__}: {e}") from e
+    raise AssertionError("unreachable")
+
+
+def _call(args):
+    i, fn, job, name, retries = args
+    return i, _attempt(fn, job, name, retries)
+
+
+class LocalExecutor:
+    """A process pool on this machine (fork where available: the workers run no torch or OpenMP code, so
+    threads the parent may hold cannot deadlock them); one worker runs jobs in-process."""
+
+    def __init__(self, cfg: ExecutorConfig, progress: bool = False):
+        self.cfg, self.progress = cfg, progress
+
+    def map(self, fn, jobs, names, desc):
+        workers = min(self.cfg.num_workers or os.cpu_count() or 1, len(jobs))
+        bar = dict(desc=desc, total=len(jobs), unit="job", disable=not self.progress)
+        if workers <= 1:
+            return [_attempt(fn, job, n, self.cfg.max_retries) for job, n in tqdm(list(zip(jobs, names)), **bar)]
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        out: list = [None] * len(jobs)
+        args = [(i, fn, job, n, self.cfg.max_retries) for i, (job, n) in enumerate(zip(jobs, names))]
+        with multiprocessing.get_context(method).Pool(workers) as pool:
+            for i, result in tqdm(pool.imap_unordered(_call, args), **bar):
+                out[i] = result
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _run_job(fn, job):
+    return fn(*job)
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A `host:port` (or `ray://host:port`) address must accept a TCP connection, else ConfigError."""
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"run.ray_address={address!r}: expected host:port, ray://host:port or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"cannot reach the Ray cluster at run.ray_address={address!r}: {e}") from None
+
+
+class RayExecutor:
+    """One Ray task per job, at most `num_workers` in flight (0 = as many as the cluster has CPUs).
+
+    Joins a running Ray session (`ray.init` done by the caller), else connects to `ray_address`, else
+    starts a local cluster; it shuts down only a session it started. Tasks read and write the run's
+    output directory, so on a multi-node cluster that directory must be on a shared filesystem."""
+
+    def __init__(self, cfg: ExecutorConfig, progress: bool = False):
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("run.executor=ray needs Ray: pip install -c constraints.txt -e '.[cluster]'") from None
+        self.ray, self.cfg, self.progress, self.started = ray, cfg, progress, False
+        if not ray.is_initialized():
+            if cfg.ray_address and cfg.ray_address != "auto":
+                check_reachable(cfg.ray_address)
+            if cfg.ray_address:
+                # Workers import glm5 the way this process does (a source checkout on PYTHONPATH included).
+                # A local cluster's workers inherit this environment; a runtime_env there would only make
+                # Ray start fresh workers instead of the ones it prestarted.
+                env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
+                ray.init(address=cfg.ray_address, runtime_env=env, log_to_driver=False)
+            else:
+                ray.init(num_cpus=cfg.num_workers or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+            self.started = True
+        self.task = ray.remote(num_cpus=1, max_retries=cfg.max_retries, retry_exceptions=True)(_run_job)
+
+    def map(self, fn, jobs, names, desc):
+        ray = self.ray
+        limit = self.cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        fn_ref = ray.put(fn)
+        out: list = [None] * len(jobs)
+        pending: dict = {}
+        todo = list(enumerate(jobs))[::-1]
+        with tqdm(desc=desc, total=len(jobs), unit="job", disable=not self.progress) as bar:
+            while todo or pending:
+                while todo and len(pending) < limit:
+                    i, job = todo.pop()
+                    pending[self.task.options(name=names[i]).remote(fn_ref, job)] = i  # named in Ray's dashboard
+                done, _ = ray.wait(list(pending), num_returns=1)
+                i = pending.pop(done[0])
+                try:
+                    out[i] = ray.get(done[0])
+                except Exception as e:  # noqa: BLE001 (RayTaskError wraps the job's exception; WorkerCrashedError, ...)
+                    for ref in pending:
+                        ray.cancel(ref)
+                    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+                    lines = str(cause).strip().splitlines() or [""]
+                    raise JobFailed(f"{names[i]} failed after {self.cfg.max_retries + 1} attempts: "
+                                    f"{type(cause).__name__}: {lines[-1]}") from e
+                bar.update()
+        return out
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+            self.started = False
+
+
+def make_executor(cfg: ExecutorConfig, progress: bool = False) -> Executor:
+    return RayExecutor(cfg, progress) if cfg.executor == "ray" else LocalExecutor(cfg, progress)
