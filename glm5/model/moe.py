@@ -347,7 +347,7 @@ class MoE(nn.Module):
         xf = x.reshape(-1, shape[-1])  # [N, H]
         logits, scores, weights, idx = self.gate(xf)
         stats = {"router_logits": logits, "scores": scores, "topk_idx": idx,
-                 "tokens_per_expert": torch.zeros(self.cfg.n_routed_experts, dtype=torch.long, device=idx.device).index_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))}
+                 "tokens_per_expert": torch.bincount(idx.reshape(-1), minlength=self.cfg.n_routed_experts)}
         if self.cfg.moe_type == "soft":
             probs = (logits.softmax(-1) if self.cfg.scoring_func == "softmax" else scores / scores.sum(-1, True))
             routed = self.experts.forward_dense(xf, probs * self.cfg.routed_scaling_factor)
