@@ -5,7 +5,8 @@ page's skew so that rotated scans lay out like straight ones:
 
 1. skew = median slope of the long lines;
 2. tables = ruled grids found in the image (morphological opening keeps long rules), their lines
-   become cells by row and column;
+   become cells by row and column; then unruled tables: runs of >= 3 consecutive rows of >= 2
+   pieces each whose pieces leave the same >= 1 vertical gutters free (`find_unruled_tables`);
 3. columns = vertical gutters: x-ranges that many lines flank and almost none cross; a line or table
    that crosses a gutter spans columns and splits the page into bands;
 4. reading order = band by band, each band column by column (left to right), top to bottom;
@@ -36,6 +37,7 @@ class Block:
     lines: list[int]  # indices into the page's line list, in reading order
     column: int = 0
     rows: list[list[list[int]]] = field(default_factory=list)  # table: rows -> cells -> line indices
+    ruled: bool = False  # table: found from rules in the image (else from aligned columns of text)
     indents: list[int] = field(default_factory=list)  # code: leading spaces per line
     blank_before: list[int] = field(default_factory=list)  # code: empty lines before each line
     joins_previous: list[bool] = field(default_factory=list)  # line continues the previous one's row
@@ -85,9 +87,15 @@ def analyse(lines: list[Line], page_bgr: np.ndarray | None = None) -> PageLayout
             if table is not None:
                 used.update(table.lines)
                 items.append(_Item(grid.bbox, table.lines, table))
-    items += [_Item(boxes[i], [i]) for i in keep if i not in used]
     heights = np.array([boxes[i][3] - boxes[i][1] for i in keep])
     line_h = float(np.median(heights))
+    texts = {i: lines[i].reading.text.strip() for i in keep}
+    for table in find_unruled_tables({i: boxes[i] for i in keep if i not in used}, texts, line_h):
+        used.update(table.lines)
+        bbox = (min(boxes[i][0] for i in table.lines), min(boxes[i][1] for i in table.lines),
+                max(boxes[i][2] for i in table.lines), max(boxes[i][3] for i in table.lines))
+        items.append(_Item(bbox, table.lines, table))
+    items += [_Item(boxes[i], [i]) for i in keep if i not in used]
     gutters = find_gutters([it.box for it in items if it.table is None], line_h)
     blocks = []
     for column, band_items in _columns_in_bands(items, gutters):
@@ -182,7 +190,97 @@ def _table_block(grid: Grid, boxes: dict[int, tuple], used: set[int]) -> Block |
     rows = [[sorted(cell, key=lambda i: (boxes[i][1], boxes[i][0])) for cell in row] for row in rows
             if any(row)]
     order = [i for row in rows for cell in row for i in cell]
-    return Block("table", order, rows=rows)
+    return Block("table", order, rows=rows, ruled=True)
+
+
+MIN_TABLE_ROWS = 3
+GUTTER_LINE_HEIGHTS = 0.8  # an unruled table's gutters are at least this many line heights wide
+PROSE_WORDS = 5  # a column whose median cell has this many words or more is running text
+
+
+def find_unruled_tables(boxes: dict[int, tuple], texts: dict[int, str], line_h: float) -> list[Block]:
+    """Tables set out with space only, from the line boxes (deskewed) and their texts.
+
+    The detector cuts a printed line at wide spaces, so a table row comes as several pieces side by
+    side. Rows are pieces that overlap vertically (as `_row_major` groups them); a candidate is a run
+    of consecutive rows of >= 2 pieces each, close together (gap under one line height) and of
+    similar height. Its gutters are the x-ranges, at least GUTTER_LINE_HEIGHTS line heights wide,
+    that no piece of the run covers, between its leftmost and rightmost ink: every piece then falls
+    in one column, and aligned left edges or right edges both leave such gutters. The run is a
+    table when it has >= MIN_TABLE_ROWS rows each filling >= 2 columns, and it is not
+      - running text in columns (two-column prose): every column's median cell has PROSE_WORDS or
+        more words, or
+      - code: half its pieces or more look like code (`_CODE_TOKEN`).
+    A run that fails as a whole is retried without its first row (a title or caption line beside
+    the table's first row must not hide the table), until fewer than MIN_TABLE_ROWS rows are left."""
+    rows = _page_rows(boxes)
+    tables: list[Block] = []
+    run: list[list[int]] = []
+    for row in rows + [[]]:  # the empty sentinel ends the last run
+        if len(row) >= 2 and run and _row_follows(run[-1], row, boxes, line_h):
+            run.append(row)
+            continue
+        tables += _tables_in_run(run, boxes, texts, line_h)
+        run = [row] if len(row) >= 2 else []
+    return tables
+
+
+def _page_rows(boxes: dict[int, tuple]) -> list[list[int]]:
+    """Pieces grouped into rows top to bottom (vertical overlap > half the smaller height), each left to right."""
+    rows: list[list[int]] = []
+    for i in sorted(boxes, key=lambda i: (boxes[i][1] + boxes[i][3]) / 2):
+        row = rows[-1] if rows else None
+        if row is not None and any(min(boxes[j][3], boxes[i][3]) - max(boxes[j][1], boxes[i][1]) >
+                                   0.5 * min(boxes[j][3] - boxes[j][1], boxes[i][3] - boxes[i][1]) for j in row):
+            row.append(i)
+        else:
+            rows.append([i])
+    return [sorted(r, key=lambda i: boxes[i][0]) for r in rows]
+
+
+def _row_follows(a: list[int], b: list[int], boxes, line_h: float) -> bool:
+    """Row b continues a table whose last row is a: close below it, with pieces of similar height."""
+    gap = min(boxes[i][1] for i in b) - max(boxes[i][3] for i in a)
+    ha = float(np.median([boxes[i][3] - boxes[i][1] for i in a]))
+    hb = float(np.median([boxes[i][3] - boxes[i][1] for i in b]))
+    return gap < max(line_h, ha, hb) and abs(ha - hb) <= 0.3 * max(ha, hb)
+
+
+def _tables_in_run(run: list[list[int]], boxes, texts: dict[int, str], line_h: float) -> list[Block]:
+    while len(run) >= MIN_TABLE_ROWS:
+        table = _unruled_table(run, boxes, texts, line_h)
+        if table is not None:
+            return [table]
+        run = run[1:]
+    return []
+
+
+def _unruled_table(run: list[list[int]], boxes, texts: dict[int, str], line_h: float) -> Block | None:
+    """The run as a table (see `find_unruled_tables`), or None when it is not one."""
+    pieces = [i for row in run for i in row]
+    x_min = int(math.floor(min(boxes[i][0] for i in pieces)))
+    x_max = int(math.ceil(max(boxes[i][2] for i in pieces)))
+    covered = np.zeros(x_max - x_min + 1, dtype=bool)
+    for i in pieces:
+        covered[int(math.floor(boxes[i][0])) - x_min:int(math.ceil(boxes[i][2])) - x_min + 1] = True
+    free = np.flatnonzero(~covered)
+    gaps = np.split(free, np.flatnonzero(np.diff(free) > 1) + 1) if free.size else []
+    cuts = [float(g.mean()) + x_min for g in gaps if g.size >= GUTTER_LINE_HEIGHTS * line_h]
+    if not cuts:
+        return None
+    grid = [[[] for _ in range(len(cuts) + 1)] for _ in run]
+    for r, row in enumerate(run):
+        for i in row:
+            grid[r][int(np.searchsorted(cuts, (boxes[i][0] + boxes[i][2]) / 2))].append(i)
+    if any(sum(bool(cell) for cell in row) < 2 for row in grid):
+        return None
+    columns = [[" ".join(texts[i] for i in row[k]) for row in grid if row[k]] for k in range(len(cuts) + 1)]
+    if all(np.median([len(t.split()) for t in col]) >= PROSE_WORDS for col in columns if col):
+        return None
+    if sum(bool(_CODE_TOKEN.search(texts[i])) for i in pieces) >= 0.5 * len(pieces):
+        return None
+    order = [i for row in grid for cell in row for i in cell]
+    return Block("table", order, rows=grid)
 
 
 # ---------------------------------------------------------------- columns and reading order
