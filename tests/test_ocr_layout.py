@@ -186,6 +186,22 @@ def test_two_column_prose_is_not_a_table():
     assert "table" not in [b.kind for b in lay.blocks] and lay.num_columns == 2
 
 
+def test_short_lines_side_by_side_in_two_column_prose_are_not_a_table():
+    """Three rows of short lines that happen to sit side by side in a two-column page: the page's
+    other lines keep the same gutter, so they are its columns, not a table."""
+    lines = [line("A Title Across Both Columns", 50, 40, 700, 80)]
+    for k in range(3):  # aligned rows of three-word lines: alone they would pass as a table
+        y = 120 + 30 * k
+        lines += [line(f"left short {k}", 50, y, 200, y + 20), line(f"right short {k}", 470, y, 620, y + 20)]
+    for k in range(6):  # the columns go on, their rows no longer side by side
+        y = 220 + 30 * k
+        lines += [line(f"left column line number {k} of text", 50, y, 420, y + 20),
+                  line(f"right column line number {k} of text", 470, y + 15, 850, y + 35)]
+    lay = analyse(lines, None)
+    assert "table" not in [b.kind for b in lay.blocks] and lay.num_columns == 2
+    assert texts_in_order(lines, lay)[1:4] == ["left short 0", "left short 1", "left short 2"]
+
+
 def test_code_with_aligned_comments_is_not_a_table():
     code = [("x = compute(a, b)", "# first value"), ("y = x + 1", "# next one"), ("return f(x, y)", "# done"),
             ("self.total = y", "# keep it")]

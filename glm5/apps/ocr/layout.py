@@ -195,7 +195,7 @@ def _table_block(grid: Grid, boxes: dict[int, tuple], used: set[int]) -> Block |
 
 MIN_TABLE_ROWS = 3
 GUTTER_LINE_HEIGHTS = 0.8  # an unruled table's gutters are at least this many line heights wide
-PROSE_WORDS = 5  # a column whose median cell has this many words or more is running text
+PROSE_WORDS = 4  # a column whose median cell has this many words or more is running text
 
 
 def find_unruled_tables(boxes: dict[int, tuple], texts: dict[int, str], line_h: float) -> list[Block]:
@@ -209,7 +209,8 @@ def find_unruled_tables(boxes: dict[int, tuple], texts: dict[int, str], line_h: 
     in one column, and aligned left edges or right edges both leave such gutters. The run is a
     table when it has >= MIN_TABLE_ROWS rows each filling >= 2 columns, and it is not
       - running text in columns (two-column prose): every column's median cell has PROSE_WORDS or
-        more words, or
+        more words, or every one of its gutters overlaps a gutter of the page's other lines
+        (`find_gutters` without the run: the page's columns go on above or below it), or
       - code: half its pieces or more look like code (`_CODE_TOKEN`).
     A run that fails as a whole is retried without its first row (a title or caption line beside
     the table's first row must not hide the table), until fewer than MIN_TABLE_ROWS rows are left."""
@@ -265,7 +266,8 @@ def _unruled_table(run: list[list[int]], boxes, texts: dict[int, str], line_h: f
         covered[int(math.floor(boxes[i][0])) - x_min:int(math.ceil(boxes[i][2])) - x_min + 1] = True
     free = np.flatnonzero(~covered)
     gaps = np.split(free, np.flatnonzero(np.diff(free) > 1) + 1) if free.size else []
-    cuts = [float(g.mean()) + x_min for g in gaps if g.size >= GUTTER_LINE_HEIGHTS * line_h]
+    free_x = [(float(g[0] + x_min), float(g[-1] + x_min)) for g in gaps if g.size >= GUTTER_LINE_HEIGHTS * line_h]
+    cuts = [(g0 + g1) / 2 for g0, g1 in free_x]
     if not cuts:
         return None
     grid = [[[] for _ in range(len(cuts) + 1)] for _ in run]
@@ -278,6 +280,10 @@ def _unruled_table(run: list[list[int]], boxes, texts: dict[int, str], line_h: f
     if all(np.median([len(t.split()) for t in col]) >= PROSE_WORDS for col in columns if col):
         return None
     if sum(bool(_CODE_TOKEN.search(texts[i])) for i in pieces) >= 0.5 * len(pieces):
+        return None
+    members = set(pieces)
+    page_gutters = find_gutters([b for i, b in boxes.items() if i not in members], line_h)
+    if all(any(g0 <= p1 and p0 <= g1 for p0, p1 in page_gutters) for g0, g1 in free_x):
         return None
     order = [i for row in grid for cell in row for i in cell]
     return Block("table", order, rows=grid)
