@@ -48,7 +48,9 @@ def test_unruled_table_page_has_a_grid_set_out_with_space_only():
 # threads and at load averages 2-15), limits = measured + max(1 point, 30%), rounded up to 0.5 points.
 # The code page read 6.31% while the detector dropped its docstring line (RapidOCR's box threshold 0.5):
 # this test caught that.
-CER_LIMITS = {"single": 0.015, "two_column": 0.05, "table": 0.015, "code": 0.025, "mixed": 0.06}
+# table_unruled: 1.64% measured (33 / 2013, with unruled-table detection: the cells read row-major) -> 3%.
+CER_LIMITS = {"single": 0.015, "two_column": 0.05, "table": 0.015, "code": 0.025, "mixed": 0.06,
+              "table_unruled": 0.03}
 
 
 @pytest.mark.slow
