@@ -211,3 +211,16 @@ def test_code_with_aligned_comments_is_not_a_table():
         lines += [line(stmt, 60, y, 60 + 11 * len(stmt), y + 20), line(comment, 400, y, 400 + 11 * len(comment), y + 20)]
     assert "table" not in [b.kind for b in analyse(lines, None).blocks]
 
+
+
+def test_a_heading_whose_box_is_barely_taller_is_found_by_its_wider_characters():
+    """The detector's box of a 30 px heading is ~30 px tall against ~26 px for 20 px text (the
+    generated pages): the heading shows in its width per character (15 vs 10 px here)."""
+    title = "The very ink with which all"
+    lines = [line(title, 56, 61, 56 + 15 * len(title), 91)]
+    body = ["Expansion of usable storage space by overlapping", "the blocks of the file system with others",
+            "so that the text runs on for a third line"]
+    lines += [line(t, 55, 114 + 34 * k, 55 + 10 * len(t), 140 + 34 * k) for k, t in enumerate(body)]
+    lay = analyse(lines, None)
+    assert [b.kind for b in lay.blocks] == ["heading", "paragraph"]
+    assert to_markdown(PageResult(W, H, lines, lay)).startswith(f"# {title}\n\n{body[0]} ")
