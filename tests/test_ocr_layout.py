@@ -208,7 +208,8 @@ def test_code_with_aligned_comments_is_not_a_table():
     lines = []
     for r, (stmt, comment) in enumerate(code):
         y = 100 + 28 * r
-        lines += [line(stmt, 60, y, 60 + 11 * len(stmt), y + 20), line(comment, 400, y, 400 + 11 * len(comment), y + 20)]
+        lines += [line(stmt, 60, y, 60 + 11 * len(stmt), y + 20),
+                  line(comment, 400, y, 400 + 11 * len(comment), y + 20)]
     assert "table" not in [b.kind for b in analyse(lines, None).blocks]
 
 

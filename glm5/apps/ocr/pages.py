@@ -299,7 +299,8 @@ def _table_unruled(c: _Canvas, rng, pool: TextPool) -> None:
             elif k == 0 or rng.random() < 0.4:
                 row.append(" ".join(rng.sample(words, rng.randint(1, 2))))
             else:
-                row.append(rng.choice([f"{rng.randint(0, 9999)}", f"{rng.uniform(0, 100):.2f}", f"{rng.randint(1, 99)}%"]))
+                row.append(rng.choice([f"{rng.randint(0, 9999)}", f"{rng.uniform(0, 100):.2f}",
+                                       f"{rng.randint(1, 99)}%"]))
         grid.append(row)
     col_w = [max(font.getlength(row[k]) for row in grid) for k in range(n_cols)]
     gap = max(3 * font.getlength("n"), (width - sum(col_w)) / max(1, n_cols - 1) * rng.uniform(0.3, 0.8))
