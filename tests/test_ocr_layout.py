@@ -86,7 +86,7 @@ def test_ruled_table_becomes_rows_and_markdown_table(skew):
     md = to_markdown(res)
     assert "| Name | Size | Kind |\n|---|---|---|\n| alpha | 12 | file |\n| beta gamma | 7.5 | dir |" in md
     assert "Name        Size  Kind\nalpha       12    file\nbeta gamma  7.5   dir" in to_text(res)
-    assert to_json(res)["blocks"][1]["rows"] == cells
+    assert to_json(res)["blocks"][1]["rows"] == cells and to_json(res)["blocks"][1]["ruled"] is True
 
 
 def test_lists_code_and_headings_render_with_structure():
