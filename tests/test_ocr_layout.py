@@ -163,7 +163,7 @@ def test_unruled_table_becomes_rows_and_markdown_table(skew):
     assert doc["blocks"][1]["ruled"] is False
 
 
-def test_right_aligned_numbers_and_an_empty_cell_still_make_columns():
+def test_right_aligned_numbers_make_a_column_and_a_one_piece_row_ends_the_table():
     lines = [line("Item", 60, 100, 104, 120), line("Count", 400, 100, 455, 120)]
     for r, (name, n) in enumerate([("apples", "7"), ("pears", "1234"), ("plums", "56")]):
         y = 132 + 32 * r
