@@ -14,7 +14,9 @@ re-run on exactly the same lines with another model or rule; the agent code is t
 `eval` reads every (layout, condition, seed) page once with the full agent (`--rounds`, default 2) and
 scores the text as it stood after round 0 (recogniser), round 1 (re-recognition) and round 2+
 (language model): CER and WER of the reading-order text, recognition-only CER (lines matched by
-position), reading-order accuracy, and code indentation accuracy. Pages whose fonts are missing (no
+position), reading-order accuracy, code indentation accuracy, and the structure found (after the last
+round: heading and list-item precision/recall, tables found with the right shape, table cells read
+right; `metrics.StructureScores`). Pages whose fonts are missing (no
 CJK font -> no `mixed` pages) are skipped and listed.
 
 `tune` searches the language-model round's decision rule (`LmRule`: lm_weight, the confidence under
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from itertools import product
 
 import numpy as np
@@ -174,6 +176,7 @@ def evaluate(args) -> dict:
             "seconds": time.perf_counter() - t, "seconds_rounds01": seconds, "rounds": res.rounds,
             "changes": len(res.changes), "reading_order": M.reading_order_accuracy(res, page),
             "indent": M.indent_accuracy(res, page),
+            "structure": asdict(M.structure_scores(res, page)),
             "lm_fixed_broken": [M.correction_effects(res, page, r) for r in range(2, args.rounds + 1)],
             "lm_changes": [[c.before.strip(), c.after.strip()] for c in res.changes if c.round >= 2]}
         rows.append(row)
@@ -252,8 +255,29 @@ def summarise(rows, rounds) -> dict:
                        # characters the language-model rounds made right / made wrong (rows without them: 0)
                        "lm_fixed": sum(fb[0] for r in rs for fb in r.get("lm_fixed_broken", [])),
                        "lm_broken": sum(fb[1] for r in rs for fb in r.get("lm_fixed_broken", []))}
+                    | {"structure": structure_summary(rs)}
                     for g, rs in groups.items()}
     return out
+
+
+def structure_summary(rows) -> dict:
+    """Pages' `structure` counts summed (rows without them, from older logs, add nothing), and the
+    rates made of them (None where the denominator is 0: e.g. no list on any page of the group)."""
+    counts = {f.name: 0 for f in fields(M.StructureScores)}
+    for r in rows:
+        for k, v in r.get("structure", {}).items():
+            counts[k] += v
+
+    def rate(num: str, den: str):
+        return counts[num] / counts[den] if counts[den] else None
+
+    return counts | {"heading_precision": rate("heading_hits", "heading_predicted"),
+                     "heading_recall": rate("heading_hits", "heading_true"),
+                     "list_precision": rate("list_hits", "list_predicted"),
+                     "list_recall": rate("list_hits", "list_true"),
+                     "table_recall": rate("tables_found", "tables_true"),
+                     "table_shape": rate("tables_shape", "tables_true"),
+                     "cell_accuracy": rate("cells_right", "cells_true")}
 
 
 def _rate(rows, key) -> float:

@@ -86,7 +86,7 @@ def test_ruled_table_becomes_rows_and_markdown_table(skew):
     md = to_markdown(res)
     assert "| Name | Size | Kind |\n|---|---|---|\n| alpha | 12 | file |\n| beta gamma | 7.5 | dir |" in md
     assert "Name        Size  Kind\nalpha       12    file\nbeta gamma  7.5   dir" in to_text(res)
-    assert to_json(res)["blocks"][1]["rows"] == cells
+    assert to_json(res)["blocks"][1]["rows"] == cells and to_json(res)["blocks"][1]["ruled"] is True
 
 
 def test_lists_code_and_headings_render_with_structure():
@@ -126,3 +126,102 @@ def test_cjk_lines_join_without_spaces():
     lines = [line("第一行文字", 50, 100, 300, 124), line("第二行 and English", 50, 130, 300, 154)]
     res = PageResult(W, H, lines, analyse(lines, None))
     assert to_markdown(res) == "第一行文字第二行 and English\n"
+
+
+UNRULED = [["Name", "Size", "Kind", "Owner"], ["alpha", "12", "file", "root"], ["beta gamma", "7.5", "dir", "ann"],
+           ["delta", "1024", "link", "bob smith"], ["epsilon", "3", "file", "root"]]
+
+
+def unruled_table(skew=0.0, xs=(60, 300, 460, 620), char_w=11, pitch=32):
+    """Prose, an unruled table (cells start at `xs`, one piece per cell, as the detector cuts wide
+    spaces), prose; no rules in the image."""
+    lines = [line("A paragraph of running text set above the table", 60, 100, 620, 120)]
+    for r, row in enumerate(UNRULED):
+        y = 150 + pitch * r
+        lines += [line(t, x, y, x + char_w * len(t), y + 20) for t, x in zip(row, xs)]
+    y = 150 + pitch * len(UNRULED) + 20
+    lines.append(line("More running text follows the table on this page.", 60, y, 640, y + 20))
+    return rotate(lines, skew)
+
+
+@pytest.mark.parametrize("skew", [0.0, 2.0])
+def test_unruled_table_becomes_rows_and_markdown_table(skew):
+    lines = unruled_table(skew)
+    lay = analyse(lines, np.full((H, W, 3), 255, np.uint8))
+    assert [b.kind for b in lay.blocks] == ["paragraph", "table", "paragraph"]
+    table = lay.blocks[1]
+    assert not table.ruled
+    assert [[" ".join(lines[i].reading.text for i in cell) for cell in row] for row in table.rows] == UNRULED
+    res = PageResult(W, H, lines, lay)
+    assert to_markdown(res) == (
+        "A paragraph of running text set above the table\n\n"
+        "| Name | Size | Kind | Owner |\n|---|---|---|---|\n| alpha | 12 | file | root |\n"
+        "| beta gamma | 7.5 | dir | ann |\n| delta | 1024 | link | bob smith |\n| epsilon | 3 | file | root |\n\n"
+        "More running text follows the table on this page.\n")
+    doc = to_json(res)
+    assert doc["blocks"][1]["kind"] == "table" and doc["blocks"][1]["rows"] == UNRULED
+    assert doc["blocks"][1]["ruled"] is False
+
+
+def test_right_aligned_numbers_make_a_column_and_a_one_piece_row_ends_the_table():
+    lines = [line("Item", 60, 100, 104, 120), line("Count", 400, 100, 455, 120)]
+    for r, (name, n) in enumerate([("apples", "7"), ("pears", "1234"), ("plums", "56")]):
+        y = 132 + 32 * r
+        lines += [line(name, 60, y, 60 + 11 * len(name), y + 20), line(n, 455 - 11 * len(n), y, 455, y + 20)]
+    lines.append(line("figs", 60, 228, 104, 248))  # no count: one piece, the table ends above it
+    lay = analyse(lines, None)
+    table = next(b for b in lay.blocks if b.kind == "table")
+    assert [[" ".join(lines[i].reading.text for i in c) for c in row] for row in table.rows] == \
+        [["Item", "Count"], ["apples", "7"], ["pears", "1234"], ["plums", "56"]]
+
+
+def test_two_rows_are_not_a_table():
+    lines = unruled_table()[:1 + 2 * 4]  # the paragraph and two rows
+    assert "table" not in [b.kind for b in analyse(lines, None).blocks]
+    assert "table" in [b.kind for b in analyse(unruled_table()[:1 + 3 * 4], None).blocks]  # three rows are
+
+
+def test_two_column_prose_is_not_a_table():
+    lay = analyse(two_columns(), None)
+    assert "table" not in [b.kind for b in lay.blocks] and lay.num_columns == 2
+
+
+def test_short_lines_side_by_side_in_two_column_prose_are_not_a_table():
+    """Three rows of short lines that happen to sit side by side in a two-column page: the page's
+    other lines keep the same gutter, so they are its columns, not a table."""
+    lines = [line("A Title Across Both Columns", 50, 40, 700, 80)]
+    for k in range(3):  # aligned rows of three-word lines: alone they would pass as a table
+        y = 120 + 30 * k
+        lines += [line(f"left short {k}", 50, y, 200, y + 20), line(f"right short {k}", 470, y, 620, y + 20)]
+    for k in range(6):  # the columns go on, their rows no longer side by side
+        y = 220 + 30 * k
+        lines += [line(f"left column line number {k} of text", 50, y, 420, y + 20),
+                  line(f"right column line number {k} of text", 470, y + 15, 850, y + 35)]
+    lay = analyse(lines, None)
+    assert "table" not in [b.kind for b in lay.blocks] and lay.num_columns == 2
+    assert texts_in_order(lines, lay)[1:4] == ["left short 0", "left short 1", "left short 2"]
+
+
+def test_code_with_aligned_comments_is_not_a_table():
+    code = [("x = compute(a, b)", "# first value"), ("y = x + 1", "# next one"), ("return f(x, y)", "# done"),
+            ("self.total = y", "# keep it")]
+    lines = []
+    for r, (stmt, comment) in enumerate(code):
+        y = 100 + 28 * r
+        lines += [line(stmt, 60, y, 60 + 11 * len(stmt), y + 20),
+                  line(comment, 400, y, 400 + 11 * len(comment), y + 20)]
+    assert "table" not in [b.kind for b in analyse(lines, None).blocks]
+
+
+
+def test_a_heading_whose_box_is_barely_taller_is_found_by_its_wider_characters():
+    """The detector's box of a 30 px heading is ~30 px tall against ~26 px for 20 px text (the
+    generated pages): the heading shows in its width per character (15 vs 10 px here)."""
+    title = "The very ink with which all"
+    lines = [line(title, 56, 61, 56 + 15 * len(title), 91)]
+    body = ["Expansion of usable storage space by overlapping", "the blocks of the file system with others",
+            "so that the text runs on for a third line"]
+    lines += [line(t, 55, 114 + 34 * k, 55 + 10 * len(t), 140 + 34 * k) for k, t in enumerate(body)]
+    lay = analyse(lines, None)
+    assert [b.kind for b in lay.blocks] == ["heading", "paragraph"]
+    assert to_markdown(PageResult(W, H, lines, lay)).startswith(f"# {title}\n\n{body[0]} ")

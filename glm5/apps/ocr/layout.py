@@ -5,11 +5,16 @@ page's skew so that rotated scans lay out like straight ones:
 
 1. skew = median slope of the long lines;
 2. tables = ruled grids found in the image (morphological opening keeps long rules), their lines
-   become cells by row and column;
+   become cells by row and column; then unruled tables: runs of >= 3 consecutive rows of >= 2
+   pieces each whose pieces leave the same >= 1 vertical gutters free (`find_unruled_tables`);
 3. columns = vertical gutters: x-ranges that many lines flank and almost none cross; a line or table
    that crosses a gutter spans columns and splits the page into bands;
 4. reading order = band by band, each band column by column (left to right), top to bottom;
-5. blocks = runs of lines in one column with small vertical gaps and similar height, then typed.
+5. blocks = runs of lines in one column with small vertical gaps, similar height and similar glyph
+   width, then typed; a heading is a block of <= 2 rows whose lines are taller (x 1.3) or whose
+   characters are wider (x 1.3) than the page's median line (`glyph_width`): the detector's boxes
+   of a 30 px heading are barely taller than those of 20 px text (30 vs 26 px on the generated
+   pages), its characters are half as wide again.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 
 from glm5.apps.ocr.perception import Line
 
+_CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
 LIST_MARKER = re.compile(r"^\s*(?:[•·●▪◦‣\-–*+]|\d{1,3}[.)、]|[a-zA-Z][.)]|\(\d{1,3}\)|\([a-z]\))\s*(?=\S)")
 _CODE_TOKEN = re.compile(r"(^(def|class|return|import|from|if|elif|else|for|while|try|except|finally|with|"
                          r"raise|yield|assert|pass|break|continue|lambda|async|await|@)\b)|[(){}\[\]=;:#]\s*$|"
@@ -36,6 +42,7 @@ class Block:
     lines: list[int]  # indices into the page's line list, in reading order
     column: int = 0
     rows: list[list[list[int]]] = field(default_factory=list)  # table: rows -> cells -> line indices
+    ruled: bool = False  # table: found from rules in the image (else from aligned columns of text)
     indents: list[int] = field(default_factory=list)  # code: leading spaces per line
     blank_before: list[int] = field(default_factory=list)  # code: empty lines before each line
     joins_previous: list[bool] = field(default_factory=list)  # line continues the previous one's row
@@ -85,13 +92,22 @@ def analyse(lines: list[Line], page_bgr: np.ndarray | None = None) -> PageLayout
             if table is not None:
                 used.update(table.lines)
                 items.append(_Item(grid.bbox, table.lines, table))
-    items += [_Item(boxes[i], [i]) for i in keep if i not in used]
     heights = np.array([boxes[i][3] - boxes[i][1] for i in keep])
     line_h = float(np.median(heights))
+    texts = {i: lines[i].reading.text.strip() for i in keep}
+    glyphs = {i: glyph_width(boxes[i], texts[i]) for i in keep}
+    known = [g for g in glyphs.values() if g is not None]
+    page_glyph = float(np.median(known)) if known else 0.0
+    for table in find_unruled_tables({i: boxes[i] for i in keep if i not in used}, texts, line_h):
+        used.update(table.lines)
+        bbox = (min(boxes[i][0] for i in table.lines), min(boxes[i][1] for i in table.lines),
+                max(boxes[i][2] for i in table.lines), max(boxes[i][3] for i in table.lines))
+        items.append(_Item(bbox, table.lines, table))
+    items += [_Item(boxes[i], [i]) for i in keep if i not in used]
     gutters = find_gutters([it.box for it in items if it.table is None], line_h)
     blocks = []
     for column, band_items in _columns_in_bands(items, gutters):
-        blocks += _blocks(band_items, boxes, lines, line_h, column)
+        blocks += _blocks(band_items, boxes, lines, _Scale(line_h, glyphs, page_glyph), column)
     return PageLayout(skew, blocks, len(gutters) + 1)
 
 
@@ -182,7 +198,103 @@ def _table_block(grid: Grid, boxes: dict[int, tuple], used: set[int]) -> Block |
     rows = [[sorted(cell, key=lambda i: (boxes[i][1], boxes[i][0])) for cell in row] for row in rows
             if any(row)]
     order = [i for row in rows for cell in row for i in cell]
-    return Block("table", order, rows=rows)
+    return Block("table", order, rows=rows, ruled=True)
+
+
+MIN_TABLE_ROWS = 3
+GUTTER_LINE_HEIGHTS = 0.8  # an unruled table's gutters are at least this many line heights wide
+PROSE_WORDS = 4  # a column whose median cell has this many words or more is running text
+
+
+def find_unruled_tables(boxes: dict[int, tuple], texts: dict[int, str], line_h: float) -> list[Block]:
+    """Tables set out with space only, from the line boxes (deskewed) and their texts.
+
+    The detector cuts a printed line at wide spaces, so a table row comes as several pieces side by
+    side. Rows are pieces that overlap vertically (as `_row_major` groups them); a candidate is a run
+    of consecutive rows of >= 2 pieces each, close together (gap under one line height) and of
+    similar height. Its gutters are the x-ranges, at least GUTTER_LINE_HEIGHTS line heights wide,
+    that no piece of the run covers, between its leftmost and rightmost ink: every piece then falls
+    in one column, and aligned left edges or right edges both leave such gutters. The run is a
+    table when it has >= MIN_TABLE_ROWS rows each filling >= 2 columns, and it is not
+      - running text in columns (two-column prose): every column's median cell has PROSE_WORDS or
+        more words, or every one of its gutters overlaps a gutter of the page's other lines
+        (`find_gutters` without the run: the page's columns go on above or below it), or
+      - code: half its pieces or more look like code (`_CODE_TOKEN`).
+    A run that fails as a whole is retried without its first row (a title or caption line beside
+    the table's first row must not hide the table), until fewer than MIN_TABLE_ROWS rows are left."""
+    rows = _page_rows(boxes)
+    tables: list[Block] = []
+    run: list[list[int]] = []
+    for row in rows + [[]]:  # the empty sentinel ends the last run
+        if len(row) >= 2 and run and _row_follows(run[-1], row, boxes, line_h):
+            run.append(row)
+            continue
+        tables += _tables_in_run(run, boxes, texts, line_h)
+        run = [row] if len(row) >= 2 else []
+    return tables
+
+
+def _page_rows(boxes: dict[int, tuple]) -> list[list[int]]:
+    """Pieces grouped into rows top to bottom (vertical overlap > half the smaller height), each left to right."""
+    rows: list[list[int]] = []
+    for i in sorted(boxes, key=lambda i: (boxes[i][1] + boxes[i][3]) / 2):
+        row = rows[-1] if rows else None
+        if row is not None and any(min(boxes[j][3], boxes[i][3]) - max(boxes[j][1], boxes[i][1]) >
+                                   0.5 * min(boxes[j][3] - boxes[j][1], boxes[i][3] - boxes[i][1]) for j in row):
+            row.append(i)
+        else:
+            rows.append([i])
+    return [sorted(r, key=lambda i: boxes[i][0]) for r in rows]
+
+
+def _row_follows(a: list[int], b: list[int], boxes, line_h: float) -> bool:
+    """Row b continues a table whose last row is a: close below it, with pieces of similar height."""
+    gap = min(boxes[i][1] for i in b) - max(boxes[i][3] for i in a)
+    ha = float(np.median([boxes[i][3] - boxes[i][1] for i in a]))
+    hb = float(np.median([boxes[i][3] - boxes[i][1] for i in b]))
+    return gap < max(line_h, ha, hb) and abs(ha - hb) <= 0.3 * max(ha, hb)
+
+
+def _tables_in_run(run: list[list[int]], boxes, texts: dict[int, str], line_h: float) -> list[Block]:
+    while len(run) >= MIN_TABLE_ROWS:
+        table = _unruled_table(run, boxes, texts, line_h)
+        if table is not None:
+            return [table]
+        run = run[1:]
+    return []
+
+
+def _unruled_table(run: list[list[int]], boxes, texts: dict[int, str], line_h: float) -> Block | None:
+    """The run as a table (see `find_unruled_tables`), or None when it is not one."""
+    pieces = [i for row in run for i in row]
+    x_min = int(math.floor(min(boxes[i][0] for i in pieces)))
+    x_max = int(math.ceil(max(boxes[i][2] for i in pieces)))
+    covered = np.zeros(x_max - x_min + 1, dtype=bool)
+    for i in pieces:
+        covered[int(math.floor(boxes[i][0])) - x_min:int(math.ceil(boxes[i][2])) - x_min + 1] = True
+    free = np.flatnonzero(~covered)
+    gaps = np.split(free, np.flatnonzero(np.diff(free) > 1) + 1) if free.size else []
+    free_x = [(float(g[0] + x_min), float(g[-1] + x_min)) for g in gaps if g.size >= GUTTER_LINE_HEIGHTS * line_h]
+    cuts = [(g0 + g1) / 2 for g0, g1 in free_x]
+    if not cuts:
+        return None
+    grid = [[[] for _ in range(len(cuts) + 1)] for _ in run]
+    for r, row in enumerate(run):
+        for i in row:
+            grid[r][int(np.searchsorted(cuts, (boxes[i][0] + boxes[i][2]) / 2))].append(i)
+    if any(sum(bool(cell) for cell in row) < 2 for row in grid):
+        return None
+    columns = [[" ".join(texts[i] for i in row[k]) for row in grid if row[k]] for k in range(len(cuts) + 1)]
+    if all(np.median([len(t.split()) for t in col]) >= PROSE_WORDS for col in columns if col):
+        return None
+    if sum(bool(_CODE_TOKEN.search(texts[i])) for i in pieces) >= 0.5 * len(pieces):
+        return None
+    members = set(pieces)
+    page_gutters = find_gutters([b for i, b in boxes.items() if i not in members], line_h)
+    if all(any(g0 <= p1 and p0 <= g1 for p0, p1 in page_gutters) for g0, g1 in free_x):
+        return None
+    order = [i for row in grid for cell in row for i in cell]
+    return Block("table", order, rows=grid)
 
 
 # ---------------------------------------------------------------- columns and reading order
@@ -244,25 +356,56 @@ def _flush(band: list[tuple[int, "_Item"]]):
 # ---------------------------------------------------------------- blocks
 
 
-def _blocks(items: list[_Item], boxes, lines: list[Line], line_h: float, column: int) -> list[Block]:
+HEADING_RATIO = 1.3  # a heading's lines are this much taller, or its characters this much wider;
+# consecutive lines whose characters differ in width by more belong to different blocks
+GLYPH_MIN_CHARS = 8  # the box's padding inflates a short line's width per character
+
+
+def glyph_width(box: tuple, text: str) -> float | None:
+    """Box width per character column (a CJK character takes two), None under GLYPH_MIN_CHARS
+    characters: the font size as the detector sees it, independent of how tall the box came out."""
+    cols = sum(2 if _CJK.match(ch) else 1 for ch in text)
+    return (box[2] - box[0]) / cols if len(text) >= GLYPH_MIN_CHARS else None
+
+
+@dataclass
+class _Scale:
+    """The page's typical line: its height, and every line's glyph width with the page's median."""
+
+    line_h: float
+    glyphs: dict[int, float | None]
+    page_glyph: float
+
+    def wider(self, run: list[int]) -> bool:
+        """Are the run's characters HEADING_RATIO wider than the page's (with enough letters to tell)?"""
+        known = [g for i in run if (g := self.glyphs.get(i)) is not None]
+        return bool(known) and self.page_glyph > 0 and float(np.median(known)) > HEADING_RATIO * self.page_glyph
+
+    def glyph_change(self, a: int, b: int) -> bool:
+        ga, gb = self.glyphs.get(a), self.glyphs.get(b)
+        return ga is not None and gb is not None and max(ga, gb) > HEADING_RATIO * min(ga, gb)
+
+
+def _blocks(items: list[_Item], boxes, lines: list[Line], scale: _Scale, column: int) -> list[Block]:
     """Group one column's items (top to bottom) into typed blocks."""
+    line_h = scale.line_h
     out: list[Block] = []
     run: list[int] = []
     prev = None
     for it in items:
         if it.table is not None:
-            out += _typed(run, boxes, lines, line_h, column)
+            out += _typed(run, boxes, lines, scale, column)
             run, prev = [], None
             it.table.column = column
             out.append(it.table)
             continue
         i = it.lines[0]
-        if prev is not None and _breaks(boxes[prev], boxes[i], line_h):
-            out += _typed(run, boxes, lines, line_h, column)
+        if prev is not None and (_breaks(boxes[prev], boxes[i], line_h) or scale.glyph_change(prev, i)):
+            out += _typed(run, boxes, lines, scale, column)
             run = []
         run.append(i)
         prev = i
-    out += _typed(run, boxes, lines, line_h, column)
+    out += _typed(run, boxes, lines, scale, column)
     return _merge_code(out, boxes, lines, line_h)
 
 
@@ -277,14 +420,15 @@ def _breaks(a: tuple, b: tuple, line_h: float) -> bool:
     return gap > 0.75 * max(ha, hb, 0.8 * line_h)
 
 
-def _typed(run: list[int], boxes, lines: list[Line], line_h: float, column: int) -> list[Block]:
+def _typed(run: list[int], boxes, lines: list[Line], scale: _Scale, column: int) -> list[Block]:
     if not run:
         return []
     run = _row_major(run, boxes)
     texts = [lines[i].reading.text.strip() for i in run]
     height = float(np.median([boxes[i][3] - boxes[i][1] for i in run]))
     joins = [False] + [_same_row(boxes[a], boxes[b]) for a, b in zip(run, run[1:])]
-    if sum(not j for j in joins) <= 2 and height > 1.3 * line_h:
+    letters = sum(ch.isalpha() for t in texts for ch in t)
+    if sum(not j for j in joins) <= 2 and letters >= 3 and (height > HEADING_RATIO * scale.line_h or scale.wider(run)):
         kind = "heading"
     elif _is_code(texts):
         kind = "code"

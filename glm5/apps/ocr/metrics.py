@@ -9,14 +9,18 @@
 - `indent_accuracy`: code lines whose recovered leading spaces equal the ground truth's.
 - `correction_effects`: of one round's corrections, the ground-truth characters they made right
   (fixed) and those that were right before and are not after (broken).
+- `structure_scores`: is the page's structure found (headings, list items, tables and their cells)?
+  Counts, so that pages add up; see `StructureScores` for the definitions.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from rapidfuzz.distance import Levenshtein
 
+from glm5.apps.ocr.layout import LIST_MARKER
 from glm5.apps.ocr.pages import Page
 from glm5.apps.ocr.render import PageResult
 
@@ -118,3 +122,87 @@ def indent_accuracy(res: PageResult, page: Page) -> tuple[int, int]:
                 total += 1
                 right += n == page.lines[owner].indent
     return right, total
+
+
+CELL_MAX_CER = 0.2
+"""A table cell counts as read right when its edit distance to the ground truth (whitespace
+normalised) is at most this fraction of the ground-truth cell's length."""
+
+
+@dataclass
+class StructureScores:
+    """Structure found on one page, as counts (sum them over pages, then divide).
+
+    Predicted lines are assigned to the ground-truth line under their centre (as `line_cer` does).
+
+    - headings: `heading_hits` = ground-truth heading lines that some line of a predicted heading
+      block is assigned to; `heading_predicted` = distinct ground-truth lines (a line over none
+      counts on its own) that lines of predicted heading blocks are assigned to; `heading_true` =
+      ground-truth heading lines. Precision = hits / predicted, recall = hits / true.
+    - list items: an item starts at a predicted list block's first row and at every later row that
+      begins with a list marker (the rows Markdown renders as items); `list_hits` = ground-truth
+      items (list blocks) whose first line some item start is assigned to; `list_predicted` = item
+      starts; `list_true` = ground-truth items.
+    - tables: each ground-truth table is matched with the predicted table block that holds the
+      most lines assigned to its cells; `tables_found` counts those matched, `tables_shape` those
+      whose grid has the ground truth's number of rows and of columns, `tables_predicted` the
+      predicted table blocks; `cells_right` = ground-truth cells (non-empty) whose text equals the
+      text at the same (row, column) of the matched grid within CELL_MAX_CER, out of `cells_true`.
+      A missing table reads all its cells wrong; a shifted row or column reads its cells wrong.
+    """
+
+    heading_hits: int = 0
+    heading_predicted: int = 0
+    heading_true: int = 0
+    list_hits: int = 0
+    list_predicted: int = 0
+    list_true: int = 0
+    tables_found: int = 0
+    tables_shape: int = 0
+    tables_predicted: int = 0
+    tables_true: int = 0
+    cells_right: int = 0
+    cells_true: int = 0
+
+
+def structure_scores(res: PageResult, page: Page) -> StructureScores:
+    """The page's `StructureScores` (the result's final texts)."""
+    gt_blocks = page.blocks()
+    owner = {i: _owner(page, ln.box) for i, ln in enumerate(res.lines)}
+    out = StructureScores()
+
+    gt_heads = {i for b in gt_blocks if b.kind == "heading" for i in b.lines}
+    pred_heads = [owner[i] for b in res.layout.blocks if b.kind == "heading" for i in b.lines]
+    out.heading_true = len(gt_heads)
+    out.heading_hits = len(gt_heads & set(pred_heads))
+    out.heading_predicted = len({o for o in pred_heads if o is not None}) + sum(o is None for o in pred_heads)
+
+    gt_items = {b.lines[0] for b in gt_blocks if b.kind == "list"}
+    starts = []
+    for b in res.layout.blocks:
+        if b.kind == "list":
+            for n, row in enumerate(b.visual_rows()):
+                if n == 0 or LIST_MARKER.match(res.line_text(row[0])):
+                    starts.append(owner[row[0]])
+    out.list_true, out.list_predicted = len(gt_items), len(starts)
+    out.list_hits = len(gt_items & set(starts))
+
+    pred_tables = [b for b in res.layout.blocks if b.kind == "table"]
+    out.tables_predicted = len(pred_tables)
+    for gt in (b for b in gt_blocks if b.kind == "table"):
+        out.tables_true += 1
+        cells = [(r, c, t) for r, row in enumerate(gt.cells) for c, t in enumerate(row) if t]
+        out.cells_true += len(cells)
+        members = set(gt.lines)
+        best = max(pred_tables, key=lambda b: sum(owner[i] in members for i in b.lines), default=None)
+        if best is None or not any(owner[i] in members for i in best.lines):
+            continue
+        out.tables_found += 1
+        grid = [[" ".join(res.line_text(i) for i in cell) for cell in row] for row in best.rows]
+        width = max((len(row) for row in grid), default=0)
+        out.tables_shape += len(grid) == len(gt.cells) and width == max(len(row) for row in gt.cells)
+        for r, c, ref in cells:
+            hyp = grid[r][c] if r < len(grid) and c < len(grid[r]) else ""
+            edits, n = cer(hyp, ref)
+            out.cells_right += edits <= CELL_MAX_CER * n
+    return out

@@ -2,8 +2,10 @@
 
 `TextPool.from_documents(docs)` picks English prose, Chinese prose and Python code out of corpus
 documents (`{"text", "source", "lang"}`, the bundled corpus's JSONL records). `render_page(layout,
-pool, seed)` draws one page (`single`, `two_column`, `table`, `code`, `mixed`) and returns a `Page`:
-the RGB image plus every line's text, box, block kind and reading-order position. `degrade(page,
+pool, seed)` draws one page (`single`, `two_column`, `table`, `code`, `mixed`, `table_unruled`) and
+returns a `Page`: the RGB image plus every line's text, box, block kind and reading-order position;
+`Page.blocks()` groups them into the ground-truth structure (headings, list items, tables with their
+cell grids, code, paragraphs). `degrade(page,
 condition, seed)` applies `noise`, `blur`, `jpeg`, `rotate` (<= 3 degrees) or `combo` and moves the
 boxes with the pixels. The same (layout, seed, condition) always gives the same pixels.
 """
@@ -22,9 +24,9 @@ from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 from glm5.apps.ocr.fonts import find_font
 
-Layout = Literal["single", "two_column", "table", "code", "mixed"]
+Layout = Literal["single", "two_column", "table", "code", "mixed", "table_unruled"]
 Condition = Literal["clean", "noise", "blur", "jpeg", "rotate", "combo"]
-LAYOUTS: tuple[Layout, ...] = ("single", "two_column", "table", "code", "mixed")
+LAYOUTS: tuple[Layout, ...] = ("single", "two_column", "table", "code", "mixed", "table_unruled")
 CONDITIONS: tuple[Condition, ...] = ("clean", "noise", "blur", "jpeg", "rotate", "combo")
 
 PAGE_W, MAX_H, MARGIN, BODY_PX = 960, 1240, 56, 20
@@ -46,6 +48,18 @@ class GtLine:
 
 
 @dataclass
+class GtBlock:
+    """One ground-truth block: its kind and its lines (indices into `Page.lines`, reading order).
+
+    Every list item is a block of its own (kind `list`); a table is one block whose `cells` grid
+    holds each cell's text by (row, column), "" where nothing was drawn."""
+
+    kind: str  # heading | paragraph | list | table | code
+    lines: list[int]
+    cells: list[list[str]] = field(default_factory=list)  # table: rows -> column texts
+
+
+@dataclass
 class Page:
     image: Image.Image
     lines: list[GtLine]  # in reading order
@@ -56,6 +70,26 @@ class Page:
     def text(self) -> str:
         """Reading-order text: one line per line (cells in row-major order), code keeps its indent."""
         return "\n".join(" " * ln.indent + ln.text for ln in self.lines)
+
+    def blocks(self) -> list[GtBlock]:
+        """The page's structure, derived from its lines' `block`, `kind`, `row` and `col` (which the
+        generator records as it draws, so that adding this changed no page's pixels)."""
+        out: dict[int, GtBlock] = {}
+        for i, ln in enumerate(self.lines):
+            b = out.setdefault(ln.block, GtBlock(ln.kind, []))
+            if b.kind != ln.kind:
+                raise ValueError(f"page {self.layout}/{self.seed}: block {ln.block} mixes {b.kind} and {ln.kind}")
+            b.lines.append(i)
+        for b in out.values():
+            if b.kind == "table":
+                cells = [self.lines[i] for i in b.lines]
+                if any(c.row < 0 or c.col < 0 for c in cells):
+                    raise ValueError(f"page {self.layout}/{self.seed}: a table cell without row/col")
+                grid = [[""] * (max(c.col for c in cells) + 1) for _ in range(max(c.row for c in cells) + 1)]
+                for c in cells:
+                    grid[c.row][c.col] = c.text
+                b.cells = grid
+        return [out[k] for k in sorted(out)]
 
 
 @dataclass
@@ -244,6 +278,43 @@ def _table(c: _Canvas, rng, pool: TextPool) -> None:
     _prose(c, rng, pool.english, font, MARGIN, c.width - 2 * MARGIN, MAX_H - MARGIN, lists=False)
 
 
+def _table_unruled(c: _Canvas, rng, pool: TextPool) -> None:
+    """A heading, a paragraph, then a 3-4 column x 5-8 row table set out with space only (every
+    column starts at one x, at least 3 average characters right of the widest cell before it; no
+    rules), then prose. Every cell holds text: a header word, 1-2 words or a number."""
+    family = rng.choice(["sans", "serif"])
+    _heading(c, rng, pool, family)
+    font = c.font(family, BODY_PX - 2)
+    width = c.width - 2 * MARGIN
+    _paragraph(c, rng.choice(pool.english), font, MARGIN, width, MAX_H - MARGIN)
+    words = [w.strip(".,;:!?\"'()") for p in rng.sample(pool.english, 20) for w in p.split()]
+    words = [w for w in words if 3 <= len(w) <= 10 and w.isalpha()]
+    n_cols, n_rows = rng.randint(3, 4), rng.randint(5, 8)
+    grid = []
+    for r in range(n_rows):
+        row = []
+        for k in range(n_cols):
+            if r == 0:
+                row.append(rng.choice(words).capitalize())
+            elif k == 0 or rng.random() < 0.4:
+                row.append(" ".join(rng.sample(words, rng.randint(1, 2))))
+            else:
+                row.append(rng.choice([f"{rng.randint(0, 9999)}", f"{rng.uniform(0, 100):.2f}",
+                                       f"{rng.randint(1, 99)}%"]))
+        grid.append(row)
+    col_w = [max(font.getlength(row[k]) for row in grid) for k in range(n_cols)]
+    gap = max(3 * font.getlength("n"), (width - sum(col_w)) / max(1, n_cols - 1) * rng.uniform(0.3, 0.8))
+    xs = [MARGIN + sum(col_w[:k]) + k * gap for k in range(n_cols)]
+    c.new_block()
+    step = font.size * 1.7
+    for r, row in enumerate(grid):
+        for k, cell in enumerate(row):
+            c.text(xs[k], c.y, cell, font, "table", row=r, col=k)
+        c.y += step
+    c.y += BODY_PX
+    _prose(c, rng, pool.english, font, MARGIN, width, MAX_H - MARGIN, lists=False)
+
+
 def _code(c: _Canvas, rng, pool: TextPool) -> None:
     family = rng.choice(["sans", "serif"])
     _heading(c, rng, pool, family)
@@ -276,7 +347,8 @@ def _mixed(c: _Canvas, rng, pool: TextPool) -> None:
         fails += not ok
 
 
-_RENDER = {"single": _single, "two_column": _two_column, "table": _table, "code": _code, "mixed": _mixed}
+_RENDER = {"single": _single, "two_column": _two_column, "table": _table, "code": _code, "mixed": _mixed,
+           "table_unruled": _table_unruled}
 
 
 def layout_fonts(layout: Layout) -> dict[str, str] | None:

@@ -1,7 +1,8 @@
 """Page results and their three renderings: JSON (everything), Markdown and plain text (structure kept).
 
 Markdown: headings `#`/`##`, paragraphs as one line each, list items as `-` or their own number,
-code fenced with its indentation and blank lines, tables as pipe tables (first row = header).
+code fenced with its indentation and blank lines, tables (ruled or set out with space only) as pipe
+tables (first row = header).
 Plain text: the page's own line breaks, blocks separated by a blank line, code indented, table
 columns padded to line up.
 """
@@ -86,6 +87,7 @@ def to_json(res: PageResult) -> dict:
              "lines": [line(i) for i in b.lines]}
         if b.kind == "table":
             d["rows"] = [[" ".join(res.line_text(i) for i in cell) for cell in row] for row in b.rows]
+            d["ruled"] = b.ruled
         if b.kind == "code":
             d["indents"] = b.indents
         blocks.append(d)
