@@ -234,10 +234,11 @@ def find_unruled_tables(boxes: dict[int, tuple], texts: dict[int, str], line_h: 
     return tables
 
 
-def _page_rows(boxes: dict[int, tuple]) -> list[list[int]]:
-    """Pieces grouped into rows top to bottom (vertical overlap > half the smaller height), each left to right."""
+def _rows_of(ids, boxes, key) -> list[list[int]]:
+    """Pieces `ids` taken in `key` order grouped into rows: a piece joins the last row when it overlaps one
+    of its pieces vertically by more than half the smaller height; each row left to right."""
     rows: list[list[int]] = []
-    for i in sorted(boxes, key=lambda i: (boxes[i][1] + boxes[i][3]) / 2):
+    for i in sorted(ids, key=key):
         row = rows[-1] if rows else None
         if row is not None and any(min(boxes[j][3], boxes[i][3]) - max(boxes[j][1], boxes[i][1]) >
                                    0.5 * min(boxes[j][3] - boxes[j][1], boxes[i][3] - boxes[i][1]) for j in row):
@@ -245,6 +246,11 @@ def _page_rows(boxes: dict[int, tuple]) -> list[list[int]]:
         else:
             rows.append([i])
     return [sorted(r, key=lambda i: boxes[i][0]) for r in rows]
+
+
+def _page_rows(boxes: dict[int, tuple]) -> list[list[int]]:
+    """Pieces grouped into rows top to bottom (by their vertical centres), each left to right."""
+    return _rows_of(boxes, boxes, lambda i: (boxes[i][1] + boxes[i][3]) / 2)
 
 
 def _row_follows(a: list[int], b: list[int], boxes, line_h: float) -> bool:
@@ -445,16 +451,8 @@ def _same_row(a: tuple, b: tuple) -> bool:
 
 
 def _row_major(run: list[int], boxes) -> list[int]:
-    """Top to bottom; pieces that overlap vertically form one row, read left to right."""
-    rows: list[list[int]] = []
-    for i in sorted(run, key=lambda i: boxes[i][1]):
-        row = rows[-1] if rows else None
-        if row is not None and any(min(boxes[j][3], boxes[i][3]) - max(boxes[j][1], boxes[i][1]) >
-                                   0.5 * min(boxes[j][3] - boxes[j][1], boxes[i][3] - boxes[i][1]) for j in row):
-            row.append(i)
-        else:
-            rows.append([i])
-    return [i for row in rows for i in sorted(row, key=lambda i: boxes[i][0])]
+    """Top to bottom (by their tops); pieces that overlap vertically form one row, read left to right."""
+    return [i for row in _rows_of(run, boxes, lambda i: boxes[i][1]) for i in row]
 
 
 def _is_code(texts: list[str]) -> bool:
