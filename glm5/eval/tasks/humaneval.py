@@ -55,7 +55,7 @@ def chat_program(problem: dict, reply: str) -> str:
     holding only a function body is appended to the prompt as a completion."""
     code = extract_code(reply)
     if re.search(rf"^\s*def\s+{re.escape(problem['entry_point'])}\s*\(", code, re.M):
-        return f"{problem['prompt']}    pass\n\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+        return program(problem, f"    pass\n\n{code}")
     return program(problem, code)
 
 
