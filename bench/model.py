@@ -135,9 +135,17 @@ def child_moe(strategy: str, tokens: int) -> dict:
         y = y * w.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, order // idx.shape[1], y)
 
-    fn = {"sorted-loop": lambda: ex(x, idx, w), "padded-bmm": padded_bmm,
-          "reference-loop": lambda: ex.forward_reference(x, idx, w)}[strategy]
-    ref = ex.forward_reference(x, idx, w)
+    def reference_loop():  # one F.linear pair per expert over its rows (transformers' formulation)
+        out = torch.zeros_like(x)
+        for e in range(ex.n_experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel():
+                g, u = F.linear(x[tok], ex.gate_up_proj[e]).chunk(2, dim=-1)
+                out = out.index_add(0, tok, F.linear(F.silu(g) * u, ex.down_proj[e]) * w[tok, slot, None])
+        return out
+
+    fn = {"sorted-loop": lambda: ex(x, idx, w), "padded-bmm": padded_bmm, "reference-loop": reference_loop}[strategy]
+    ref = reference_loop()
     err = (fn() - ref).abs().max().item()
     times = []
     for _ in range(6):

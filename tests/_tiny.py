@@ -36,3 +36,27 @@ def autograd_expert_loop(xs, gate_up, down, counts) -> torch.Tensor:
         outs.append(F.linear(F.silu(gate) * up, down[e]))
         lo += n
     return torch.cat(outs)
+
+
+def reference_experts(gate_up, down, x, idx, weights) -> torch.Tensor:
+    """Routed experts as a plain per-expert loop (transformers' formulation), the oracle for the grouped
+    paths: gate_up [E, 2I, H] (gate rows first), down [E, H, I], x [N, H], idx/weights [N, A] -> [N, H]."""
+    import torch.nn.functional as F
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tok, slot = torch.where(idx == e)
+        if tok.numel() == 0:
+            continue
+        gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e])
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
+    return out
+
+
+def reference_moe(moe, x) -> torch.Tensor:
+    """A top-k `MoE`'s output (no capacity limit, no expert dropout) with its experts run by `reference_experts`:
+    x [B, T, H] -> [B, T, H]."""
+    xf = x.reshape(-1, x.shape[-1])
+    _, _, weights, idx = moe.gate(xf)
+    routed = reference_experts(moe.experts.gate_up_proj, moe.experts.down_proj, xf, idx, weights)
+    return routed.to(x.dtype).view(x.shape) + moe.shared_experts(x)

@@ -10,6 +10,7 @@ import torch
 from glm5.infer import quant
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
+from glm5.infer.experts import VersionedExperts
 from glm5.infer.sampling import SamplingParams
 from glm5.model.hf_adapter import save_pretrained
 
@@ -188,7 +189,8 @@ def test_hot_swap_without_draining_versions_and_rollback(mode):
     assert done["old2"].outputs[0].token_ids == ref_old.generate_greedy(torch.tensor([r]), 12)[0, len(r):].tolist()
     assert done["fresh"].outputs[0].token_ids == ref_new.generate_greedy(torch.tensor([r]), 12)[0, len(r):].tolist()
     assert done["fresh"].metrics.num_cached_tokens == 0  # no block computed on the old experts was reused
-    assert engine.runner.expert_shadow is None  # freed once nobody runs on version 0
+    assert engine.versions.held is None  # freed once nobody runs on version 0
+    assert not any(isinstance(m, VersionedExperts) for m in engine.model.modules())
     assert engine.rollback_experts() == 0
     assert run(engine, [p])[0] == old_ref[:NEW]
     with pytest.raises(ValueError, match="no expert swap"):

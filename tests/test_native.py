@@ -463,9 +463,6 @@ def test_decode_layer_kernel_steps_aside(kernels):
     with torch.no_grad():
         layer.mlp.experts.gate_up_proj.mul_(2)  # in place (hot swap): the plan stays valid
     assert plan.valid()
-    layer.mlp.use_reference = True
-    assert not plan.valid()
-    layer.mlp.use_reference = False
     layer.mlp.shared_experts.up_proj = torch.nn.Linear(64, 32)  # a swapped module: the MLP is left to the modules
     assert not plan.valid() and not layer_plan(layer, True).mlp_native
     layer.self_attn.o_proj = torch.nn.Linear(64, 64)  # ... in the attention: the whole layer is

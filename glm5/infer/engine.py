@@ -25,14 +25,14 @@ from glm5.model.hf_adapter import cast_model, from_pretrained
 from glm5.model.kv_cache import bytes_per_token
 from glm5.model.peft_adapter import adapter_kind
 from glm5.model.model import GLM5ForCausalLM
-from glm5.model.paged import ExpertShadow
 from glm5.native import NativeKernels
 from glm5.native import load as load_native
 
 from .block_manager import BlockManager, cdiv
 from .config import EngineConfig
-from .experts import apply_expert_updates, expert_stats, experts_module, parse_expert_updates, read_expert
+from .experts import expert_stats
 from .faults import FaultTracker, NonFiniteOutput, is_fatal, run_each
+from .hot_swap import ExpertVersions
 from .hugepages import rehome
 from .kernels import NativeLayerKernel, use_native_kernels
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
@@ -113,9 +113,7 @@ class LLMEngine:
         self.model_config: ModelConfig = self.model.config
         self.generation_config: GenerationConfig = self.model.generation_config
         self.tokenizer = tokenizer
-        self.model_version = 0
-        self._last_version = 0  # versions are never reused, also after a rollback
-        self._swaps: list[tuple[int, dict]] = []  # (version before each swap, the replaced experts' weights)
+        self.versions = ExpertVersions(self.model, self.model_config, getattr(torch, self.config.dtype))
         num_blocks, max_model_len = self._size_kv()
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -267,8 +265,7 @@ class LLMEngine:
         if infill is not None and not self.model_config.block_position_embedding:
             raise ValueError("GLM blank infilling needs a model trained for it (block_position_embedding = true "
                              "in its config); this model is a plain causal LM")
-        if self._last_version:  # after a hot swap: KV blocks are shared only within one expert version
-            cache_salt = f"{cache_salt or ''}|experts-v{self.model_version}"
+        cache_salt = self.versions.cache_salt(cache_salt)  # after a hot swap: KV shared within one version only
         reqs = fan_out(request_id, list(map(int, prompt_token_ids)), params, eos_token_ids=self.eos_token_ids,
                        prompt=prompt, cache_salt=cache_salt, device=self.config.device, infill=infill)
         for r in reqs:
@@ -405,7 +402,9 @@ class LLMEngine:
                 self._prompts.pop(o.request_id, None)
                 self._adapter_of.pop(o.request_id, None)
                 self._errors.pop(o.request_id, None)
-        self._drop_unused_shadow()  # after the outputs: they report the version their requests ran on
+        if self.versions.held is not None:  # after the outputs: they report the version their requests ran on
+            self.versions.release_unused(self._running_versions())
+            self.runner.tag_version = self.versions.held
         return outputs
 
     def _run(self, out: ScheduleOutput) -> tuple[RunnerOutput, dict[str, Exception]]:
@@ -445,12 +444,8 @@ class LLMEngine:
                              self._version_of(first), self._errors.get(group_id))
 
     def _version_of(self, req: Request) -> int | str:
-        """The expert version a request ran on: the one it started on when it is current or served by the
-        shadow copy, else "started->current" (a second swap or a rollback overtook it: it is told)."""
-        shadow = self.runner.expert_shadow
-        if req.model_version == self.model_version or (shadow is not None and shadow.version == req.model_version):
-            return req.model_version
-        return f"{req.model_version}->{self.model_version}"
+        """The expert version a request ran on (see `ExpertVersions.version_of`)."""
+        return self.versions.version_of(req.model_version)
 
     # ---- stats and weights --------------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -475,46 +470,32 @@ class LLMEngine:
             out[layer] = {"tokens_per_expert": c.tolist(), "imbalance": float(c.max()) / mean if mean else 0.0}
         return out
 
+    @property
+    def model_version(self) -> int:
+        """The current expert version (0 at start; every swap makes a new one, a rollback returns to one)."""
+        return self.versions.current
+
     def swap_experts(self, updates: dict) -> int:
         """Replace routed-expert weights between steps, without draining. `updates`: HF names
         (`model.layers.L.mlp.experts.E.gate_proj.weight` -> tensor) or {(L, E): {"gate_proj"|"up_proj"|
         "down_proj" (or full names): tensor}}. Everything is validated before anything changes. Requests
-        already running finish on the weights they started with (their tokens' assignments to the swapped
-        experts run on a shadow copy while any of them is left); the prefix cache is dropped (its KV came
-        from the old weights). Returns the new model version."""
-        parsed = parse_expert_updates(updates, self.model_config, getattr(torch, self.config.dtype))
-        before = {key: read_expert(experts_module(self.model, key[0]), key[1]) for key in parsed}
-        apply_expert_updates(self.model, parsed)
-        self._swaps.append((self.model_version, before))
-        self._last_version += 1
-        return self._switch(self._last_version, self.model_version, before)
+        already running finish on the weights they started with (the swapped layers' experts modules hold
+        the old weights for them while any of them is left: glm5/infer/hot_swap.py); the prefix cache is
+        dropped (its KV came from the old weights). Returns the new model version."""
+        return self._switched(self.versions.swap(updates, self._running_versions()))
 
     def rollback_experts(self) -> int:
         """Undo the latest swap: the experts get their previous weights back and the model version returns
-        to the one before it; requests started on the undone version finish on it (shadow copy)."""
-        if not self._swaps:
-            raise ValueError("no expert swap to roll back")
-        version, before = self._swaps.pop()
-        undone = {key: read_expert(experts_module(self.model, key[0]), key[1]) for key in before}
-        apply_expert_updates(self.model, before)
-        return self._switch(version, self.model_version, undone)
+        to the one before it; requests started on the undone version finish on it."""
+        return self._switched(self.versions.rollback(self._running_versions()))
 
-    def _switch(self, version: int, old_version: int, old_weights: dict) -> int:
-        """Make `version` current; requests running on `old_version` keep `old_weights` (soft MoE mixes
-        every expert per token and is not shadowed: its running requests are told instead)."""
+    def _running_versions(self) -> set[int]:
+        return {r.model_version for r in self.scheduler.requests.values()}
+
+    def _switched(self, version: int) -> int:
+        """After a version change: the prefix cache holds KV of other weights; the runner tags the rows of
+        requests on the held version."""
         self.block_manager.reset_prefix_cache()
         self.prefixes.register()  # prefix adapters' entries are not model outputs: they stay valid
-        self.model_version = version
-        shadow = {}
-        for (layer, e), w in old_weights.items():
-            shadow.setdefault(layer, {})[e] = (torch.cat([w["gate"], w["up"]]), w["down"])  # [2I, H], [H, I]
-        running = any(r.model_version == old_version for r in self.scheduler.requests.values())
-        keep = running and self.model_config.moe_type == "topk"
-        self.runner.expert_shadow = ExpertShadow(old_version, shadow) if keep else None
+        self.runner.tag_version = self.versions.held
         return version
-
-    def _drop_unused_shadow(self) -> None:
-        """Free the shadow copy once no request runs on its version any more."""
-        shadow = self.runner.expert_shadow
-        if shadow is not None and not any(r.model_version == shadow.version for r in self.scheduler.requests.values()):
-            self.runner.expert_shadow = None

@@ -1,7 +1,11 @@
 """Routed-expert weight access shared by hot swap, INT8 and offload: parse/validate swap updates, write
 one expert into whatever expert module a layer has (fused fp tensors, INT8, offloaded LRU), and
-collect expert-cache statistics. Expert e's weights are gate [I, H], up [I, H], down [H, I].
-(The expert computation itself lives in glm5/model/moe.py; INT8 and offload swap the expert module.)
+collect expert-cache statistics; and `VersionedExperts`, the module a hot swap puts in front of a layer's
+experts while requests started before it run (glm5/infer/hot_swap.py). Expert e's weights are gate
+[I, H], up [I, H], down [H, I]. (The expert computation itself lives in glm5/model/moe.py; INT8, offload
+and hot swap swap the expert module.)
+
+Dims: N tokens, H hidden, A experts per token, I expert FFN width, K held experts.
 """
 
 from __future__ import annotations
@@ -9,8 +13,10 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
 
 from glm5.model.config import ModelConfig
+from glm5.model.moe import MoE, TaggedExperts, swiglu
 
 EXPERT_KEY = re.compile(r"(?:model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.)?(gate|up|down)_proj(?:\.weight)?")
 PARTS = ("gate", "up", "down")
@@ -54,8 +60,44 @@ def parse_expert_updates(updates: dict, cfg: ModelConfig, dtype: torch.dtype) ->
     return grouped
 
 
-def experts_module(model, layer: int):
-    return model.model.layers[layer].mlp.experts
+def experts_module(model, layer: int) -> nn.Module:
+    """The module holding `layer`'s current expert weights (behind a `VersionedExperts`: its inner one)."""
+    ex = model.model.layers[layer].mlp.experts
+    return ex.inner if isinstance(ex, VersionedExperts) else ex
+
+
+class VersionedExperts(TaggedExperts):
+    """A layer's experts module (`inner`, current weights) plus the weights its swapped experts had at
+    `version`: rows tagged `version` run their assignments to those experts on the held weights, every
+    other assignment runs on `inner` (the same sort, kernels and dtype as without a swap)."""
+
+    def __init__(self, inner: nn.Module, version: int, old: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        self.inner, self.version = inner, version
+        self.n_experts, self.inter = inner.n_experts, inner.inter
+        self.old = old  # expert -> (gate_up [2I, H], down [H, I]) at `version`
+        device = next(iter(old.values()))[0].device
+        self.swapped = torch.tensor(sorted(old), device=device)  # [K] expert ids held
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor | None = None,
+                row_tags: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], idx/weights [N, A], keep [N, A] | None, row_tags [N] | None -> [N, H]."""
+        if row_tags is None:
+            return self.inner(x, idx, weights, keep)
+        held = (row_tags == self.version)[:, None] & torch.isin(idx, self.swapped)  # [N, A]
+        if keep is not None:
+            held &= keep
+        routed = self.inner(x, idx, weights, ~held if keep is None else keep & ~held)
+        for e, (gate_up, down) in self.old.items():
+            tok, slot = torch.where(held & (idx == e))
+            if tok.numel():
+                y = swiglu(x[tok], gate_up, down) * weights[tok, slot, None].to(x.dtype)
+                routed = routed.index_add(0, tok, y.to(routed.dtype))
+        return routed
+
+    def forward_dense(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Soft MoE is never held (glm5/infer/hot_swap.py): the current weights."""
+        return self.inner.forward_dense(x, probs)
 
 
 @torch.no_grad()
@@ -92,8 +134,8 @@ def apply_expert_updates(model, grouped: dict[tuple[int, int], dict]) -> None:
 def expert_stats(model) -> dict:
     """Hit/miss counters of the offloaded-expert caches (empty when nothing is offloaded)."""
     caches = {}
-    for layer in model.model.layers:
-        ex = getattr(getattr(layer, "mlp", None), "experts", None)
+    for i, layer in enumerate(model.model.layers):
+        ex = experts_module(model, i) if isinstance(layer.mlp, MoE) else None
         cache = getattr(ex, "cache", None)
         if cache is not None:
             caches[id(cache)] = cache  # a byte-budget cache is shared by every layer

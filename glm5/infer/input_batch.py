@@ -10,7 +10,8 @@ its own longest context; each longer prefill chunk gets a group of its own.
 Per-chunk extensions (see glm5/model/paged.py): `position_ids` (RoPE positions, default the sequence
 indices), `prefix_len` (a bidirectional Part A: keys at sequence index < prefix_len are visible to every
 query of the sequence; the whole prefix must be in the chunk that computes it), `block_position_ids`
-(GLM 2D positions), `adapter_id` (multi-LoRA slot, -1 = base).
+(GLM 2D positions), `adapter_id` (multi-LoRA slot, -1 = base), `row_tag` (a tag for swapped-in
+`TaggedExperts`, -1 where unset; the engine's hot swap tags a request's version).
 
 Dims: N flat tokens, B sequences in a group, T queries per sequence (padded), S keys (padded).
 """
@@ -38,7 +39,7 @@ class SeqChunk:
     prefix_len: int = 0  # bidirectional Part A length (GLM blank infilling)
     block_position_ids: list[int] | None = None  # GLM 2D positions of the chunk's tokens
     adapter_id: int = -1  # LoRA adapter slot (-1 = base model)
-    pinned: bool = False  # runs on the expert version before the latest hot swap (AttnMetadata.expert_shadow)
+    row_tag: int | None = None  # the chunk's tokens' tag (AttnMetadata.row_tags; hot swap: the request's version)
 
     @property
     def num_tokens(self) -> int:
@@ -75,8 +76,9 @@ def build_metadata(chunks: list[SeqChunk], block_size: int, device,
     if any(c.block_position_ids is not None for c in chunks):
         meta.block_position_ids = torch.tensor([b for c in chunks for b in (c.block_position_ids or [0] * c.num_tokens)],
                                                dtype=torch.long, device=device)
-    if any(c.pinned for c in chunks):
-        meta.pinned_rows = torch.tensor([c.pinned for c in chunks for _ in c.token_ids], device=device)
+    if any(c.row_tag is not None for c in chunks):
+        meta.row_tags = torch.tensor([-1 if c.row_tag is None else c.row_tag for c in chunks for _ in c.token_ids],
+                                     dtype=torch.long, device=device)
     if any(c.adapter_id >= 0 for c in chunks):
         meta.adapter_ids = torch.tensor([c.adapter_id for c in chunks for _ in c.token_ids], device=device)
     batch = _Batch(n_tok, start, offsets, table, torch.tensor([c.prefix_len for c in chunks]), block_size)

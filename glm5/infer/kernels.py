@@ -229,8 +229,8 @@ class NativeLayerKernel:
         if self._keys is None or self._keys[0] is not g:  # once per step: every layer attends the same keys
             self._keys = (g, *key_table(g.key_slots, g.key_lens, g.key_slots.shape[0]))
         _, slots, lens = self._keys
-        # the MoE module runs the rows pinned to an older expert version (hot swap), and MLPs the kernel lacks
-        attn_only = not plan.mlp_native or meta.pinned_rows is not None
+        # MLPs the kernel lacks (also an expert hot swap's VersionedExperts) run as modules
+        attn_only = not plan.mlp_native
         out, stats, idx, counts, sel = self.kernels.decode_layer(
             spec, x.view(N, -1), cos.view(N, -1), sin.view(N, -1), meta.slot_mapping, lat, ik, slots, g.key_bias,
             lens, T, topk, sel_in, attn_only)
@@ -266,7 +266,6 @@ class LayerPlan:
         self.spec: LayerSpec | None = None
         self._mods: list[tuple[dict, str, nn.Module, type]] = []
         self._tensors: list[tuple[dict, str, torch.Tensor, int]] = []
-        self._moe: MoE | None = None  # its use_reference flag (tests) sends the layer to the per-expert loop
         self.int8 = False  # some of its weights are INT8 (glm5.infer.quant): decode steps of few rows only
         self.mlp_native = True  # False: the kernel runs the attention half, DecoderLayer.feed_forward the rest
 
@@ -282,7 +281,7 @@ class LayerPlan:
         return t
 
     def valid(self) -> bool:
-        if self.layer.training or (self._moe is not None and self._moe.use_reference):
+        if self.layer.training:
             return False
         for slots, name, mod, cls in self._mods:  # plain loops: this runs for every layer of every decode step
             if slots.get(name) is not mod or type(mod) is not cls:
@@ -385,12 +384,11 @@ def _mlp_fields(plan: LayerPlan, mlp: nn.Module, cfg, D: int) -> dict | None:
     `DecoderLayer.feed_forward` after the kernel's attention."""
     out: dict = {}
     if isinstance(mlp, MoE):
-        plan._moe = mlp
         if cfg.moe_type != "topk" or cfg.moe_capacity_factor is not None:
             return None
         gate, ex, sh = plan.mod(mlp, "gate"), plan.mod(mlp, "experts"), plan.mod(mlp, "shared_experts")
         NE, A, EI = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        if (mlp.use_reference or type(gate) is not Router or type(ex) not in (NativeExperts, Int8Experts)
+        if (type(gate) is not Router or type(ex) not in (NativeExperts, Int8Experts)
                 or type(sh) is not SwiGLU or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64
                 or NE % max(cfg.n_group, 1)):
             return None

@@ -19,7 +19,7 @@ from glm5.model.kv_cache import LatentKVCache, selection_possible
 from glm5.model.latent_attention import LatentKernel, MLAKernel
 from glm5.model.layers import RopeKernel
 from glm5.model.model import GLM5ForCausalLM
-from glm5.model.paged import AttnMetadata, ExpertShadow, LayerKernel
+from glm5.model.paged import AttnMetadata, LayerKernel
 
 from .config import EngineConfig
 from .input_batch import SeqChunk, build_metadata
@@ -70,7 +70,9 @@ class ModelRunner:
         self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp,
                                    index_keys=selection_possible(self.cfg, max_keys))
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.expert_shadow: ExpertShadow | None = None  # set by the engine while requests run on an older version
+        # set by the engine (between steps) while hot-swap experts modules hold this version's weights: a step
+        # with a request on it tags every token with its request's version (AttnMetadata.row_tags, hot_swap.py)
+        self.tag_version: int | None = None
         self.proposer = None
         if self.with_mtp:
             from .mtp import MTPProposer  # noqa: PLC0415 (only when speculation is on)
@@ -89,9 +91,8 @@ class ModelRunner:
         result = RunnerOutput()
         if out.is_empty():
             return result
-        ids, meta = self.metadata([self._chunk(s) for s in out.scheduled])
-        if meta.pinned_rows is not None:
-            meta.expert_shadow = self.expert_shadow
+        tag = self.tag_version is not None and any(s.request.model_version == self.tag_version for s in out.scheduled)
+        ids, meta = self.metadata([self._chunk(s, tag) for s in out.scheduled])
         rows = self._logit_rows(out, meta)
         meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
         fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
@@ -110,11 +111,11 @@ class ModelRunner:
             result.draft_token_ids = self.proposer.propose(out, meta, result.hidden, result.sampled)
         return result
 
-    def _chunk(self, s: ScheduledRequest) -> SeqChunk:
+    def _chunk(self, s: ScheduledRequest, tag: bool = False) -> SeqChunk:
         req = s.request
         tokens = (req.all_token_ids + s.spec_token_ids)[s.start:s.start + s.num_tokens]
-        chunk = SeqChunk(req.request_id, s.start, tokens, req.block_ids, adapter_id=req.adapter_id)
-        chunk.pinned = self.expert_shadow is not None and req.model_version == self.expert_shadow.version
+        chunk = SeqChunk(req.request_id, s.start, tokens, req.block_ids, adapter_id=req.adapter_id,
+                         row_tag=req.model_version if tag else None)
         if req.infill is not None:  # GLM blank infilling: 2D positions, bidirectional Part A
             end = s.start + s.num_tokens
             chunk.position_ids = req.infill.position_ids(s.start, end)

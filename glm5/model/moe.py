@@ -4,7 +4,9 @@ factor with token dropping, expert dropout, and a dense "soft" mixture). One for
 serving: with a `PagedContext` the capacity rule reads each sequence's earlier routes from the cache.
 
 Expert modules are swappable (INT8, offloaded, expert-parallel): they provide `forward(x, idx, weights,
-keep)` and `forward_dense(x, probs)`; `ExpertLoop` gives both from one `ffn(e, rows)` per expert.
+keep)` and `forward_dense(x, probs)`; `ExpertLoop` gives both from one `ffn(e, rows)` per expert. A
+`TaggedExperts` module also receives the paged step's per-token tags (`AttnMetadata.row_tags`) as a forward
+argument: what they mean is the engine's (e.g. which weights a token's request runs on).
 
 Experts are stored fused as transformers v5 keeps them in memory: `gate_up_proj` [E, 2I, H] (gate rows
 first) and `down_proj` [E, H, I]; the HF adapter converts from/to the per-expert on-disk names.
@@ -95,18 +97,6 @@ class Experts(nn.Module):
         # accumulate in the experts' output dtype (bf16 under autocast while x may be fp32)
         return torch.zeros(x.shape, dtype=ys.dtype, device=x.device).index_add_(0, token, ys)
 
-    def forward_reference(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Plain per-expert loop (the oracle for tests; transformers' formulation)."""
-        out = torch.zeros_like(x)
-        for e in range(self.n_experts):
-            tok, slot = torch.where(idx == e)
-            if tok.numel() == 0:
-                continue
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out.index_add_(0, tok, y * weights[tok, slot, None].to(y.dtype))
-        return out
-
     def forward_dense(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Every token through every expert, mixed by probs [N, E] (the soft-MoE variant)."""
         h = torch.einsum("nh,eih->eni", x, self.gate_up_proj)  # [E, N, 2I]
@@ -119,6 +109,14 @@ def swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
     """One expert on rows xs [n, H]: gate_up [2I, H] (gate rows first), down [H, I] -> [n, H]."""
     gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, down)
+
+
+class TaggedExperts(nn.Module):
+    """Base of experts modules whose rows depend on a per-token tag of the paged step. The MoE calls them as
+    `forward(x [N, H], idx [N, A], weights [N, A], keep [N, A] | None, row_tags [N] | None) -> [N, H]`, with
+    `AttnMetadata.row_tags` (None without a paged context or without tags), and `forward_dense(x, probs)`
+    as any experts module. Row data travels as an argument, built per step with the metadata, so no state
+    is written into the module before each step; the tag's meaning is the engine's (glm5/infer)."""
 
 
 class ExpertLoop(nn.Module):
@@ -339,7 +337,6 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-        self.use_reference = False  # tests flip this to run the per-expert loop
 
     def forward(self, x: torch.Tensor, ctx: PagedContext | None = None) -> tuple[torch.Tensor, dict]:
         """x [B, T, H] (paged: [1, N, H] flat tokens) -> (out [B, T, H], router stats)."""
@@ -351,39 +348,15 @@ class MoE(nn.Module):
         if self.cfg.moe_type == "soft":
             probs = (logits.softmax(-1) if self.cfg.scoring_func == "softmax" else scores / scores.sum(-1, True))
             routed = self.experts.forward_dense(xf, probs * self.cfg.routed_scaling_factor)
-        elif self.use_reference:
-            routed = self.experts.forward_reference(xf, idx, weights)
         else:
             keep = self._keep_mask(idx, shape, ctx)
             stats["dropped_tokens"] = 0 if keep is None else int((~keep).sum())
-            shadow = self._shadow(ctx)
-            if shadow is None:
-                routed = self.experts(xf, idx, weights, keep)
+            if isinstance(self.experts, TaggedExperts):
+                routed = self.experts(xf, idx, weights, keep, None if ctx is None else ctx.meta.row_tags)
             else:
-                routed = self._routed_with_shadow(xf, idx, weights, keep, ctx.meta.pinned_rows, shadow)
+                routed = self.experts(xf, idx, weights, keep)
         out = routed.to(x.dtype).view(shape) + self.shared_experts(x)
         return out, stats
-
-    def _shadow(self, ctx: PagedContext | None) -> dict | None:
-        """This layer's previous expert weights for tokens pinned to an older version (hot swap), or None."""
-        if ctx is None or ctx.meta.expert_shadow is None or ctx.meta.pinned_rows is None:
-            return None
-        return ctx.meta.expert_shadow.experts.get(self.layer_idx)
-
-    def _routed_with_shadow(self, x, idx, weights, keep, pinned, shadow: dict) -> torch.Tensor:
-        """Routed output where pinned tokens' assignments to swapped experts use the old weights: those
-        assignments leave the current experts' pass and are computed on the shadow copy instead."""
-        swapped = torch.tensor(sorted(shadow), device=idx.device)
-        hit = pinned[:, None] & (idx[..., None] == swapped).any(-1)  # [N, A]
-        if keep is not None:
-            hit &= keep
-        routed = self.experts(x, idx, weights, ~hit if keep is None else keep & ~hit)
-        for e, (gate_up, down) in shadow.items():
-            tok, slot = torch.where(hit & (idx == e))
-            if tok.numel():
-                y = swiglu(x[tok], gate_up, down) * weights[tok, slot, None].to(x.dtype)
-                routed = routed.index_add(0, tok, y.to(routed.dtype))
-        return routed
 
     def _keep_mask(self, idx: torch.Tensor, shape, ctx: PagedContext | None) -> torch.Tensor | None:
         """Assignments kept after expert dropout (training) and the capacity limit (None = keep all)."""

@@ -24,8 +24,10 @@ where kv_b_proj is a plain weight and no per-row adapters are active (the engine
 kernels, glm5/native, for fp32 caches). `layer_kernel`, when set, is offered each decoder layer first and may
 run the whole layer (it returns None where it does not apply, and the layer runs its own modules).
 
-Expert hot swap (engine): `pinned_rows` marks tokens of requests started before the latest swap; the
-MoE layers run those tokens' assignments to swapped experts on `expert_shadow`'s weights.
+Per-token tags: `row_tags` [N] int64 is a tag per flat token that the engine sets for the experts
+modules it swaps in (`glm5.model.moe.TaggedExperts`, which receive it as a forward argument); the model
+gives tags no meaning and only passes them on. The metadata is built anew for every step, so such modules
+read per-step row data from their arguments, never from state written into them before each step.
 
 Dims: N flat tokens, B sequences in a group, T queries per sequence (padded), S keys (padded), M logit rows.
 """
@@ -71,15 +73,6 @@ class AttnGroup:
                            device=self.allowed.device).masked_fill_(~self.allowed, float("-inf"))
 
 
-@dataclass
-class ExpertShadow:
-    """The weights hot-swapped experts had at `version`, for requests still running on that version
-    (expert hot swap without draining: such a request finishes on the version it started on)."""
-
-    version: int
-    experts: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]  # layer -> e -> (gate_up [2I, H], down [H, I])
-
-
 class LayerKernel(Protocol):
     """Runs one decoder layer (`glm5.model.model.DecoderLayer`) over a paged step in one go when it can,
     with the layer's contract: x [1, N, hidden] and the previous layer's per-group selections -> (out
@@ -100,8 +93,7 @@ class AttnMetadata:
     logits_indices: torch.Tensor | None = None  # [M] rows to compute logits for (None = every row)
     block_position_ids: torch.Tensor | None = None  # [N] GLM 2D positions (blank infilling, issue 13)
     adapter_ids: torch.Tensor | None = None  # [N] LoRA adapter slot per token, -1 = base (issue 9)
-    pinned_rows: torch.Tensor | None = None  # [N] bool: token of a request that runs on expert_shadow's version
-    expert_shadow: ExpertShadow | None = None  # the older weights of swapped experts, for pinned rows
+    row_tags: torch.Tensor | None = None  # [N] int64 per-token tag for swapped-in `TaggedExperts` (None: no tags)
     latent_kernel: LatentKernel | None = None  # runs the dense absorbed attention instead of the PyTorch one
     mla_kernel: MLAKernel | None = None  # ... or the whole absorbed path (W_uk, attention, W_uv) in one call
     rope_kernel: RopeKernel | None = None  # rotates the attention's q / k instead of `apply_rope`
