@@ -6,7 +6,7 @@ import pytest
 from glm5.infer.config import EngineConfig
 from glm5.infer.request import Request, RequestStatus, fan_out
 from glm5.infer.sampling import SamplingParams
-from glm5.infer.scheduler import Scheduler
+from glm5.infer.scheduler import Batching, Scheduler
 
 EOS = 0
 
@@ -379,3 +379,45 @@ def test_engine_config_loads_with_overrides_and_validates():
         load_config(EngineConfig, None, ["--quantization=int4"])
     with pytest.raises(ValueError, match="chunked prefill"):
         EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=32)
+
+
+def test_batching_caps_running_and_groups_prompts_of_similar_length():
+    """With the server's `Batching` the oldest waiting request goes first and the other free places go to the
+    prompts closest to it in length (FIFO among equals), never more than max_batch_size running; with
+    by_length off, plain FIFO; without a policy, FIFO up to max_num_seqs."""
+    lens = [10, 3, 30, 12, 9, 4]
+
+    def admitted(batching, running=0, **kw):
+        s = make_sched(num_blocks=40, max_num_batched_tokens=200, max_model_len=64, **kw)
+        for i in range(running):
+            s.add_request(req(f"x{i}", 2, start=100))
+        s.schedule()
+        for i, n in enumerate(lens):
+            s.add_request(req(f"r{i}", n, start=1 + i))
+        out = s.schedule(batching)
+        return [x.request_id for x in out.scheduled if x.is_new], [r.request_id for r in s.waiting]
+
+    by_length = Batching(max_batch_size=3, preferred_batch_size=3, batch_timeout_s=0.0, by_length=True)
+    assert admitted(by_length) == (["r0", "r4", "r3"], ["r1", "r2", "r5"])
+    assert admitted(by_length, running=2) == (["r0"], ["r1", "r2", "r3", "r4", "r5"])  # one free place
+    fifo = Batching(max_batch_size=3, preferred_batch_size=3, batch_timeout_s=0.0, by_length=False)
+    assert admitted(fifo) == (["r0", "r1", "r2"], ["r3", "r4", "r5"])
+    assert admitted(None, max_num_seqs=4) == (["r0", "r1", "r2", "r3"], ["r4", "r5"])
+
+
+def test_batch_wait_gathers_from_idle_only():
+    """An idle engine waits for preferred_batch_size requests or until the oldest waited batch_timeout_s."""
+    s = make_sched()
+    b = Batching(max_batch_size=4, preferred_batch_size=2, batch_timeout_s=10.0, by_length=True)
+    assert s.batch_wait(b) is None  # nothing waits
+    first = req("a", 3)
+    s.add_request(first)
+    t0 = first.metrics.arrival_time
+    assert s.batch_wait(b, now=t0 + 4) == pytest.approx(6.0)
+    assert s.batch_wait(b, now=t0 + 11) is None  # the oldest waited long enough
+    s.add_request(req("b", 3))
+    assert s.batch_wait(b, now=t0 + 1) is None  # the preferred batch is there
+    s.schedule(b)
+    s.add_request(req("c", 3))
+    assert s.batch_wait(b, now=t0 + 1) is None  # running: new requests join at the next step
+    assert Batching.from_config(EngineConfig()) == Batching(32, 16, 0.5, True)  # the config's one set of defaults

@@ -15,6 +15,7 @@ from safetensors.torch import save
 
 from glm5.data.tokenizer import IncrementalDetokenizer, load_tokenizer
 from glm5.infer.config import EngineConfig
+from glm5.infer.engine import LLMEngine
 from glm5.infer.outputs import CompletionOutput, Logprob, RequestOutput
 from glm5.infer.sampling import SamplingParams
 from glm5.serve.app import create_app
@@ -22,7 +23,9 @@ from glm5.serve.async_engine import AsyncEngine, EngineDead
 from glm5.serve.metrics import ServerMetrics
 from glm5.serve.config import ServerConfig
 from glm5.serve.testing import serve_in_thread
+from glm5.model.config import ModelConfig
 from glm5.model.generation_config import GenerationConfig
+from glm5.model.model import GLM5ForCausalLM
 from tests._tiny import tiny_config
 
 TOK = load_tokenizer("bundled:tokenizer-8k")
@@ -58,6 +61,12 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.reqs)
 
+    def batch_wait(self, batching):
+        return None  # the scripted engine runs every request at once (batching: tests on the real engine below)
+
+    def list_loras(self):
+        return {}
+
     def get_stats(self):
         return {"num_running": len(self.reqs), "num_waiting": 0, "kv_cache_usage": 0.0}
 
@@ -72,7 +81,7 @@ class FakeEngine:
         self.model_version -= 1
         return self.model_version
 
-    def step(self):
+    def step(self, batching=None):
         time.sleep(self.step_sleep)
         if self.fail_step:
             raise RuntimeError("simulated device error")
@@ -107,6 +116,34 @@ def server(request):
     opts = getattr(request, "param", {})
     engine = FakeEngine(**opts.get("engine", {}))
     app = create_app(engine, config=ServerConfig(**opts.get("server", {})), model_name="fake")
+    with serve_in_thread(app) as url:
+        yield engine, url
+
+
+class RecordingEngine(LLMEngine):
+    """The real engine (a one-layer `tiny` preset on CPU) recording how many requests each step ran, for the
+    admission and batching rules, which live in its scheduler."""
+
+    def __init__(self, step_sleep=0.0, **cfg):
+        torch.manual_seed(0)
+        model = GLM5ForCausalLM(ModelConfig.from_preset("tiny", num_hidden_layers=1, num_nextn_predict_layers=0))
+        super().__init__(EngineConfig(device="cpu", dtype="float32", max_model_len=128, num_blocks=64, block_size=16,
+                                      **cfg), model=model.init_weights(0), tokenizer=TOK)
+        self.batch_sizes, self.step_sleep = [], step_sleep
+
+    def step(self, batching=None):
+        time.sleep(self.step_sleep)
+        outs = super().step(batching)
+        if outs:  # running after the step + finished in it = the requests this step ran
+            self.batch_sizes.append(len(self.scheduler.running) + sum(o.finished for o in outs))
+        return outs
+
+
+@pytest.fixture
+def real_server(request):
+    opts = getattr(request, "param", {})
+    engine = RecordingEngine(**opts.get("engine", {}))
+    app = create_app(engine, config=ServerConfig(**opts.get("server", {})), model_name="tiny")
     with serve_in_thread(app) as url:
         yield engine, url
 
@@ -216,10 +253,10 @@ def test_auth_and_body_limit(server):
     assert r.status_code == 200 and r.json()["model_version"] == 0 and r.headers["x-request-id"] == "abc"
 
 
-@pytest.mark.parametrize("server", [{"engine": {"step_sleep": 0.05, "max_batch_size": 1, "preferred_batch_size": 1},
-                                     "server": {"max_waiting_requests": 2}}], indirect=True)
-def test_admission_control_503_with_retry_after(server):
-    engine, url = server
+@pytest.mark.parametrize("real_server", [{"engine": {"step_sleep": 0.05, "max_batch_size": 1, "preferred_batch_size": 1},
+                                          "server": {"max_waiting_requests": 2}}], indirect=True)
+def test_admission_control_503_with_retry_after(real_server):
+    engine, url = real_server
 
     async def go():
         async with httpx.AsyncClient(timeout=30) as h:
@@ -233,10 +270,10 @@ def test_admission_control_503_with_retry_after(server):
     assert max(engine.batch_sizes) == 1  # max_batch_size is never exceeded
 
 
-@pytest.mark.parametrize("server", [{"engine": {"max_batch_size": 4, "preferred_batch_size": 4,
-                                                "batch_timeout_ms": 20000}}], indirect=True)
-def test_dynamic_batching_gathers_preferred_batch(server):
-    engine, url = server
+@pytest.mark.parametrize("real_server", [{"engine": {"max_batch_size": 4, "preferred_batch_size": 4,
+                                                     "batch_timeout_ms": 20000}}], indirect=True)
+def test_dynamic_batching_gathers_preferred_batch(real_server):
+    engine, url = real_server
 
     async def go():
         async with httpx.AsyncClient(timeout=60) as h:
@@ -288,7 +325,7 @@ def test_engine_failure_is_503_not_a_hang(server):
 def test_graceful_shutdown_drains_then_aborts():
     """Shutdown lets short requests finish, aborts what outlives the drain timeout, refuses new ones."""
     engine = FakeEngine(step_sleep=0.05)
-    ae = AsyncEngine(engine, ServerMetrics("x"))
+    ae = AsyncEngine(engine, ServerMetrics("x"), max_waiting_requests=256)
 
     async def collect(rid, max_tokens):
         try:
@@ -396,30 +433,6 @@ def test_cli_serves_tiny_preset(tmp_path):
         code, out = proc.wait(timeout=60), proc.stdout.read()
         # uvicorn re-raises the caught SIGTERM after its graceful shutdown
         assert code in (0, -15) and "Application shutdown complete" in out, out
-
-
-def test_batches_group_prompts_of_similar_length():
-    """The oldest queued request goes first; the other free slots go to the prompts closest to it in length
-    (FIFO among equals); with batch_by_length off, plain FIFO."""
-    from types import SimpleNamespace
-
-    from glm5.serve.async_engine import AsyncEngine, _Pending
-    from glm5.serve.metrics import ServerMetrics
-
-    def queued(engine, lens):
-        ae = AsyncEngine(engine, ServerMetrics("x"))
-        for i, n in enumerate(lens):
-            ae._backlog.append(_Pending(f"r{i}", [1] * n, None, None, None))
-        return ae
-
-    cfg = dict(max_batch_size=3, preferred_batch_size=3, batch_timeout_ms=0)
-    ae = queued(SimpleNamespace(config=SimpleNamespace(**cfg, batch_by_length=True)), [50, 8, 400, 60, 45, 9])
-    assert [p.request_id for p in ae._next_batch()] == ["r0", "r4", "r3"]
-    assert [p.request_id for p in ae._backlog] == ["r1", "r2", "r5"]
-    ae._active = {"a": None, "b": None}  # one free slot: just the oldest
-    assert [p.request_id for p in ae._next_batch()] == ["r1"]
-    ae = queued(SimpleNamespace(config=SimpleNamespace(**cfg, batch_by_length=False)), [50, 8, 400, 60])
-    assert [p.request_id for p in ae._next_batch()] == ["r0", "r1", "r2"]
 
 
 @pytest.mark.parametrize("server", [{"engine": {"script": "Fine, thanks.", "max_session_len": 60}},

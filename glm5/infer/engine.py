@@ -43,7 +43,7 @@ from .outputs import CompletionOutput, RequestOutput
 from .request import Request, fan_out
 from .runner import ModelRunner, RunnerOutput
 from .sampling import SamplingParams, check_token_ids
-from .scheduler import ScheduleOutput, Scheduler
+from .scheduler import Batching, ScheduleOutput, Scheduler
 from .structured import GrammarBackend
 
 log = logging.getLogger(__name__)
@@ -355,13 +355,22 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def num_waiting_requests(self) -> int:
+        """Sequences queued and not running yet (an n > 1 request counts n)."""
+        return len(self.scheduler.waiting)
+
+    def batch_wait(self, batching: Batching) -> float | None:
+        """Seconds an idle engine should keep gathering requests before its first step (None: step now)."""
+        return self.scheduler.batch_wait(batching)
+
     # ---- one step -----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, update the requests; outputs of the requests that changed.
+    def step(self, batching: Batching | None = None) -> list[RequestOutput]:
+        """Schedule, run the model, update the requests; outputs of the requests that changed. `batching`:
+        the server's dynamic batching over the waiting queue (scheduler.py; None: FIFO up to max_num_seqs).
 
         A failure attributable to one request (faults.py) aborts that request: its output comes back
         finished with `error` set, and every other request carries on. Other failures raise."""
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(batching)
         if out.is_empty():
             return []
         result, failed = self._run(out)

@@ -8,6 +8,14 @@ tokens". Running requests go first (in admission order), then waiting ones (FIFO
 out, the latest-admitted running request is preempted: its blocks are freed and it goes back to the
 front of the waiting queue, to be recomputed from its prompt + output tokens.
 The scheduler owns the `BlockManager`; it never touches tensors.
+
+The waiting queue is the engine's one admission queue, also for the server: requests reach it as they
+arrive. A driver may pass a `Batching` policy (the server's dynamic batching, from `EngineConfig`) to
+`schedule()`: at most `max_batch_size` requests running, and new ones admitted oldest first with the other
+free places given to the waiting prompts closest in length to it (seed I6); `batch_wait()` says how long an
+idle engine should gather for `preferred_batch_size` requests before its first step. Without a policy
+(offline drivers: everything is queued before the first step) waiting requests are admitted FIFO up to
+`max_num_seqs`.
 """
 
 from __future__ import annotations
@@ -20,6 +28,22 @@ from glm5.infer.block_manager import BlockManager, cdiv
 from glm5.infer.config import EngineConfig
 from glm5.infer.outputs import PositionLogprobs
 from glm5.infer.request import Request, RequestStatus, check_stop_strings
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Dynamic batching over the waiting queue (see the module docstring); built from the config's fields,
+    which hold the one set of defaults."""
+
+    max_batch_size: int  # requests running at most (with max_num_seqs: the smaller one holds)
+    preferred_batch_size: int  # an idle engine starts as soon as this many wait ...
+    batch_timeout_s: float  # ... or once the oldest waited this long
+    by_length: bool  # the free places after the oldest go to the prompts closest in length to it
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Batching:
+        return cls(config.max_batch_size, config.preferred_batch_size, config.batch_timeout_ms / 1000.0,
+                   config.batch_by_length)
 
 
 @dataclass
@@ -123,7 +147,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduleOutput:
+    def schedule(self, batching: Batching | None = None) -> ScheduleOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -141,34 +165,53 @@ class Scheduler:
                                               req.spec_token_ids[:num_drafts]))
             budget -= num_new
 
-        # 2. Waiting requests (new or preempted), FIFO; none if this step had to preempt.
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
+        # 2. Waiting requests (new or preempted) in admission order; none if this step had to preempt.
+        max_running = self.config.max_num_seqs if batching is None else min(self.config.max_num_seqs,
+                                                                             batching.max_batch_size)
+        admitted: set[int] = set()
+        for req in self._admission_order(batching, max_running - len(self.running)):
+            if budget <= 0 or preempted or len(self.running) >= max_running:
+                break
             if self._waits_for_sibling(req):
-                skipped.append(req)  # admit it once its sibling's prompt blocks are cached
-                continue
+                continue  # admit it once its sibling's prompt blocks are cached
             computed = self.block_manager.get_computed_blocks(req)
             num_new = req.num_tokens - computed.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
-                self.waiting.appendleft(req)
                 break
             whole = self._unsplittable(req, computed.num_tokens)
             if whole > budget:
                 if scheduled or budget < self.config.max_num_batched_tokens:
-                    self.waiting.appendleft(req)  # next step, with the whole budget
-                    break
+                    break  # next step, with the whole budget
                 budget = whole  # alone in a step: a bidirectional Part A may exceed the token budget
             num_new = min(num_new, budget)
             if self.block_manager.allocate_slots(req, num_new, computed, self.config.speculative_num_tokens) is None:
-                self.waiting.appendleft(req)
                 break  # no blocks: wait for running requests to finish
             scheduled.append(self._admit(req, computed.num_tokens, num_new))
+            admitted.add(id(req))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
 
         finished, self._finished_ids = self._finished_ids, []
         return ScheduleOutput(scheduled, preempted, finished)
+
+    def _admission_order(self, batching: Batching | None, free: int) -> list[Request]:
+        """Waiting requests in the order to try them: FIFO; with `batching.by_length` and more waiting than
+        free places, the oldest first, then the rest by closeness of prompt length to it (stable: FIFO ties)."""
+        if batching is None or not batching.by_length or len(self.waiting) <= max(free, 1):
+            return list(self.waiting)
+        first, *rest = self.waiting
+        n = first.num_prompt_tokens
+        return [first, *sorted(rest, key=lambda r: abs(r.num_prompt_tokens - n))]
+
+    def batch_wait(self, batching: Batching, now: float | None = None) -> float | None:
+        """Seconds an idle engine should keep gathering before its first step: until `preferred_batch_size`
+        requests wait or the oldest has waited `batch_timeout_s` (None: step now, or nothing waits)."""
+        if self.running or not self.waiting or len(self.waiting) >= batching.preferred_batch_size:
+            return None
+        now = time.monotonic() if now is None else now
+        left = self.waiting[0].metrics.arrival_time + batching.batch_timeout_s - now
+        return left if left > 0 else None
 
     @staticmethod
     def _unsplittable(req: Request, num_computed: int) -> int:

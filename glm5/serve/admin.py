@@ -17,31 +17,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from glm5.core.io import all_finite
+from glm5.infer.engine import LLMEngine
 
 from glm5.serve.common import APIError
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_config_of(engine):
-    """The served `ModelConfig` (engines expose it as `.model_config` or through their model)."""
-    for path in ("model_config", "model.config", "runner.model.config", "runner.model_config"):
-        obj = engine
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
-        if obj is not None and hasattr(obj, "n_routed_experts"):
-            return obj
-    raise APIError(501, "this engine does not expose its model config; hot swap unavailable",
-                   "not_implemented_error")
-
-
-def weight_dtype_of(engine) -> torch.dtype:
-    cfg = getattr(engine, "config", None)
-    return DTYPES.get(getattr(cfg, "dtype", "float32"), torch.float32)
-
-
-def parse_expert_upload(body: bytes, engine) -> tuple[dict[str, torch.Tensor], dict]:
+def parse_expert_upload(body: bytes, engine: LLMEngine) -> tuple[dict[str, torch.Tensor], dict]:
     """Validate an upload; -> (HF name -> tensor, info for the version log). Raises APIError(400)."""
     if not body:
         raise APIError(400, "body: expected a safetensors file of expert weights", param="body")
@@ -51,8 +34,8 @@ def parse_expert_upload(body: bytes, engine) -> tuple[dict[str, torch.Tensor], d
         raise APIError(400, f"body: not a valid safetensors file: {e}", param="body") from e
     if not tensors:
         raise APIError(400, "body: the safetensors file holds no tensors", param="body")
-    cfg = model_config_of(engine)
-    dtype = weight_dtype_of(engine)
+    cfg = engine.model_config
+    dtype = getattr(torch, engine.config.dtype)  # the served dtype (resolved: fp32 on CPU)
     moe_layers = set(cfg.moe_layers)
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}

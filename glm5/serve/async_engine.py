@@ -4,10 +4,13 @@ The engine is touched only by that thread: requests, aborts and expert swaps rea
 queue and run between two `engine.step()` calls, so a swap is atomic with respect to every step.
 Outputs go back to per-request asyncio queues with `call_soon_threadsafe`.
 
-Scheduling it adds on top of the engine:
-- admission control: more than `max_waiting_requests` queued -> `Overloaded` (the app answers 503);
-- dynamic batching: when the engine is idle it waits up to `batch_timeout_ms` for `preferred_batch_size`
-  requests before the first step, and never has more than `max_batch_size` requests in the engine;
+There is one admission queue, the engine scheduler's: a request reaches it as soon as the engine thread
+reads its command. On top of it:
+- admission control: `max_waiting_requests` (ServerConfig) queued or on their way -> `Overloaded` (the
+  app answers 503);
+- dynamic batching: every step passes the engine's `Batching` policy (`EngineConfig.max_batch_size`,
+  `preferred_batch_size`, `batch_timeout_ms`, `batch_by_length`; glm5/infer/scheduler.py), and while the
+  engine has nothing running this thread waits `engine.batch_wait()` before the first step;
 - hot swap without draining: the swap (or a rollback) runs between two steps as soon as it arrives;
   running requests finish on the version they started on (the engine keeps a shadow copy of the swapped
   experts for them), new ones run on the new version, each reporting the version it ran on;
@@ -30,8 +33,13 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
+from glm5.data.infilling import InfillLayout
+from glm5.infer.engine import LLMEngine
+from glm5.infer.outputs import RequestOutput
+from glm5.infer.sampling import SamplingParams
+from glm5.infer.scheduler import Batching
 from glm5.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -53,10 +61,10 @@ class RequestFailed(Exception):
 class _Pending:
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams
     out: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    infill: Any = None  # glm5.data.infilling.InfillLayout of a GLM blank-infilling request
+    infill: InfillLayout | None = None  # the layout of a GLM blank-infilling request
     lora: str | None = None  # the loaded adapter this request runs with (None = the base model)
     arrival: float = field(default_factory=time.monotonic)
     admitted: float = 0.0
@@ -66,25 +74,17 @@ class _Pending:
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics: ServerMetrics, *, max_waiting_requests: int = 256,
-                 max_batch_size: int = 32, preferred_batch_size: int = 16, batch_timeout_ms: float = 500.0,
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, *, max_waiting_requests: int,
                  on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.metrics = metrics
         self.on_failure = on_failure  # called from the engine thread once the loop died of an engine fault
-        cfg = getattr(engine, "config", None)
-        self.max_batch_size = int(getattr(cfg, "max_batch_size", None) or max_batch_size)
-        self.preferred_batch_size = min(self.max_batch_size,
-                                        int(getattr(cfg, "preferred_batch_size", None) or preferred_batch_size))
-        timeout = getattr(cfg, "batch_timeout_ms", None)
-        self.batch_timeout_s = float(batch_timeout_ms if timeout is None else timeout) / 1000.0
+        self.batching = Batching.from_config(engine.config)
         self.max_waiting_requests = max_waiting_requests
-        self.batch_by_length = bool(getattr(cfg, "batch_by_length", True))
         self._commands: queue.Queue = queue.Queue()
-        self._backlog: collections.deque[_Pending] = collections.deque()  # accepted, not in the engine yet
-        self._active: dict[str, _Pending] = {}  # in the engine
-        self._swaps: collections.deque[tuple[Any, Future]] = collections.deque()
-        self._num_submitted = 0  # submitted but not yet moved to the backlog
+        self._active: dict[str, _Pending] = {}  # handed to the engine (in its queue or running)
+        self._swaps: collections.deque[tuple[tuple[dict | None, dict], Future]] = collections.deque()
+        self._num_submitted = 0  # submitted but not yet handed to the engine
         self._count_lock = threading.Lock()
         self._stats: dict = {}
         self._stopping = False
@@ -92,13 +92,13 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self.versions: list[dict] = [{"version": self.model_version, "time": time.time(), "experts": []}]
         # adapters the engine serves (name -> directory); changed only on the engine thread, between steps
-        self.loras: dict[str, str] = dict(getattr(engine, "list_loras", dict)())
+        self.loras: dict[str, str] = dict(engine.list_loras())
         self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
 
     # ---- asyncio side -------------------------------------------------------------------------------
     @property
     def model_version(self) -> int:
-        return int(getattr(self.engine, "model_version", 0))
+        return self.engine.model_version
 
     def start(self) -> None:
         self._thread.start()
@@ -115,17 +115,18 @@ class AsyncEngine:
         return None
 
     def num_queued(self) -> int:
-        """Requests the server holds back (not in the engine yet)."""
-        return len(self._backlog) + self._num_submitted
+        """Requests submitted and not yet in the engine's queue (the engine thread reads them between steps)."""
+        return self._num_submitted
 
     def num_waiting(self) -> int:
-        return len(self._backlog) + self._num_submitted + int(self._stats.get("num_waiting", 0) or 0)
+        """Requests not running yet: on their way to the engine or in its queue (as of the last refresh)."""
+        return self._num_submitted + int(self._stats.get("num_waiting", 0))
 
     def stats(self) -> dict:
         return dict(self._stats)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params,
-                       infill=None, lora: str | None = None) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       infill: InfillLayout | None = None, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the engine's `RequestOutput`s for one request; abort it if the consumer goes away.
         `infill`: the GLM blank-infilling layout of the prompt (see `LLMEngine.add_request`); `lora`: the
         name of a loaded adapter to run it with."""
@@ -182,7 +183,7 @@ class AsyncEngine:
         except BaseException as e:  # an engine bug must not leave clients hanging
             self._dead = e
             dead = EngineDead(self.unavailable_reason())
-            for p in [*self._active.values(), *self._backlog]:
+            for p in self._active.values():
                 self._send(p, dead)
             self._drain_commands(block=False, fail=e)
             while self._swaps:
@@ -191,23 +192,23 @@ class AsyncEngine:
             if self.on_failure is not None:
                 self.on_failure(e)
 
+    def _gathering(self) -> float | None:
+        """Seconds to keep gathering before the first step from idle (None: go now)."""
+        return self.engine.batch_wait(self.batching) if self._active else None
+
     def _loop(self) -> None:
         deadline = None  # shutdown drain deadline
         while True:
-            idle = not self._active
-            wait = self._batch_wait() if idle and self._backlog else None
-            block = idle and not self._backlog and not self._swaps and not self._stopping
-            self._drain_commands(block=block, timeout=wait)
-            if not self._active:
-                self._refresh_stats()  # idle: gauges must not keep the last request's values
+            block = not self._active and not self._swaps and not self._stopping
+            if self._drain_commands(block=block, timeout=self._gathering()) or not self._active:
+                self._refresh_stats()  # the queue changed, or idle: gauges must not keep older values
             if self._stop_timeout is not None:  # draining (`_stopping` may be set before the command lands)
                 deadline = deadline or time.monotonic() + self._stop_timeout
-                if time.monotonic() > deadline or not (self._active or self._backlog):
+                if time.monotonic() > deadline or not self._active:
                     break
-            if idle and self._backlog and self._batch_wait() and not self._swaps and not self._stopping:
+            if self._gathering() and not self._swaps and not self._stopping:
                 continue  # dynamic batching: keep gathering
             self._maybe_swap()
-            self._admit()
             if self._active:
                 self._step()
         cut = EngineDead(f"the server shut down; the request did not finish within the {self._stop_timeout:g} s "
@@ -215,40 +216,34 @@ class AsyncEngine:
         for rid in list(self._active):
             self.engine.abort_request(rid)
             self._send(self._active.pop(rid), cut)
-        while self._backlog:
-            self._send(self._backlog.popleft(), cut)
         self._refresh_stats()
         while self._swaps:
             self._swaps.popleft()[1].set_exception(EngineDead("the server shut down before the swap ran"))
 
-    def _batch_wait(self) -> float | None:
-        """Seconds to keep gathering before the first step from idle (None: go now)."""
-        if len(self._backlog) >= self.preferred_batch_size:
-            return None
-        left = self._backlog[0].arrival + self.batch_timeout_s - time.monotonic()
-        return left if left > 0 else None
-
-    def _drain_commands(self, block: bool, timeout: float | None = None, fail: BaseException | None = None):
+    def _drain_commands(self, block: bool, timeout: float | None = None, fail: BaseException | None = None) -> int:
+        """Handle the queued commands (waiting for one when `block`, or up to `timeout` s); -> how many."""
         try:
             cmd = self._commands.get(block=block or timeout is not None, timeout=timeout)
         except queue.Empty:
-            return
+            return 0
+        n = 0
         while True:
             self._handle(cmd, fail)
+            n += 1
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return n
 
     def _handle(self, cmd, fail: BaseException | None) -> None:
         kind, arg = cmd
         if kind == "add":
-            with self._count_lock:
-                self._num_submitted -= 1
             if fail is not None or self._stopping:
                 self._send(arg, EngineDead(self.unavailable_reason() or "the server is shutting down"))
             else:
-                self._backlog.append(arg)
+                self._add(arg)
+            with self._count_lock:  # after the add: a request is counted as submitted or in the engine's queue
+                self._num_submitted -= 1
         elif kind == "abort":
             self._abort(arg)
         elif kind == "swap":
@@ -284,11 +279,6 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             p.done = True
             self.metrics.inc("vllm:request_success_total", 1.0, "abort")
-            return
-        for p in list(self._backlog):
-            if p.request_id == request_id:
-                self._backlog.remove(p)
-                p.done = True
 
     def _maybe_swap(self) -> None:
         """Run pending swaps / rollbacks now, between two steps, without waiting for running requests."""
@@ -305,40 +295,23 @@ class AsyncEngine:
             self.versions.append({"version": self.model_version, "time": time.time(), **info})
             fut.set_result(self.model_version)
 
-    def _admit(self) -> None:
-        for p in self._next_batch():
-            try:
-                lora = {"lora_name": p.lora} if p.lora is not None else {}
-                self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params,
-                                        infill=p.infill, **lora)
-            except (ValueError, TypeError) as e:  # the engine rejected this request: the client's 400
-                self._send(p, e)
-                continue
-            except Exception as e:  # noqa: BLE001 - fail this request only, keep serving the others
-                self._send(p, RuntimeError(f"engine could not add the request: {type(e).__name__}: {e}"))
-                continue
-            p.admitted = time.monotonic()
-            self._active[p.request_id] = p
-
-    def _next_batch(self) -> list[_Pending]:
-        """The queued requests to admit now (up to the free batch slots). The oldest always goes first (no
-        starvation); with `batch_by_length` the other slots go to the prompts closest in length to it
-        (seed I6: requests of similar length batch together, so prefill chunks pad and finish alike)."""
-        free = self.max_batch_size - len(self._active)
-        if free <= 0 or not self._backlog:
-            return []
-        if not self.batch_by_length or len(self._backlog) <= free:
-            picked = [self._backlog.popleft() for _ in range(min(free, len(self._backlog)))]
-            return picked
-        first = self._backlog.popleft()
-        n = len(first.prompt_token_ids)
-        rest = sorted(self._backlog, key=lambda p: abs(len(p.prompt_token_ids) - n))[: free - 1]  # stable: FIFO ties
-        chosen = {id(p) for p in rest}
-        self._backlog = collections.deque(p for p in self._backlog if id(p) not in chosen)
-        return [first, *rest]
+    def _add(self, p: _Pending) -> None:
+        """Hand a request to the engine's queue (between two steps)."""
+        try:
+            lora = {"lora_name": p.lora} if p.lora is not None else {}
+            self.engine.add_request(p.request_id, prompt_token_ids=p.prompt_token_ids, params=p.params,
+                                    infill=p.infill, **lora)
+        except (ValueError, TypeError) as e:  # the engine rejected this request: the client's 400
+            self._send(p, e)
+            return
+        except Exception as e:  # noqa: BLE001 - fail this request only, keep serving the others
+            self._send(p, RuntimeError(f"engine could not add the request: {type(e).__name__}: {e}"))
+            return
+        p.admitted = time.monotonic()
+        self._active[p.request_id] = p
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        outputs = self.engine.step(self.batching)
         self._refresh_stats()  # before any client hears of this step, so gauges never lag behind it
         now = time.monotonic()
         for out in outputs:
@@ -358,7 +331,7 @@ class AsyncEngine:
     def _refresh_stats(self) -> None:
         self._stats = self.engine.get_stats()
 
-    def _observe(self, p: _Pending, out, now: float) -> None:
+    def _observe(self, p: _Pending, out: RequestOutput, now: float) -> None:
         n = sum(len(c.token_ids) for c in out.outputs)
         new = n - p.num_tokens
         if new > 0:
@@ -379,16 +352,17 @@ class AsyncEngine:
                 self.metrics.count_lora_request(p.lora)
 
     @staticmethod
-    def _queue_time(p: _Pending, out) -> float:
-        """Server queue (dynamic batching, max_batch_size) + engine queue (until first scheduled)."""
-        m = getattr(out, "metrics", None)
+    def _queue_time(p: _Pending, out: RequestOutput) -> float:
+        """Until the engine thread took the request + the engine's queue (dynamic batching, max_batch_size,
+        until first scheduled)."""
+        m = out.metrics
         engine_wait = 0.0
-        if m is not None and getattr(m, "first_scheduled_time", None) is not None:
+        if m is not None and m.first_scheduled_time is not None:
             engine_wait = max(0.0, m.first_scheduled_time - m.arrival_time)
         return (p.admitted - p.arrival) + engine_wait
 
-    def _send(self, p: _Pending, item) -> None:
-        if getattr(item, "finished", False) or isinstance(item, BaseException):
+    def _send(self, p: _Pending, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException) or item.finished:
             p.done = True
         try:
             p.loop.call_soon_threadsafe(p.out.put_nowait, item)
