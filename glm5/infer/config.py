@@ -2,7 +2,7 @@
 
 The scheduler reads the budgets (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`), the block
 manager the KV layout (`block_size`, `num_blocks` or `kv_cache_memory`), the runner the model/device
-options, the server the dynamic-batching knobs. Load with
+options, the scheduler the server's dynamic-batching knobs (as a `Batching` policy). Load with
 `glm5.core.config.load_config(EngineConfig, "configs/serve/x.toml", ["--max_num_seqs=64"])`.
 """
 
@@ -62,8 +62,9 @@ class EngineConfig:
     max_session_len: int | None = None  # tokens a session may keep before its history is cut
     session_policy: Literal["drop", "summarize"] = "drop"  # what to do past max_session_len
 
-    # server-side dynamic batching (the server groups requests before handing them to the engine)
-    max_batch_size: int = 32  # requests per batch at most
+    # dynamic batching over the scheduler's waiting queue, applied when the server drives the engine
+    # (`scheduler.Batching.from_config`; offline drivers pass no policy)
+    max_batch_size: int = 32  # requests running at most
     preferred_batch_size: int = 16  # dispatch as soon as this many are queued
     batch_timeout_ms: int = 500  # or when the oldest queued request waited this long
     batch_by_length: bool = True  # fill a batch with the queued prompts closest in length to the oldest one

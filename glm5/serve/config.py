@@ -1,7 +1,8 @@
 """`ServerConfig`: HTTP, security, admission and dynamic-batching settings of `glm5 serve`.
 
 The engine has its own `EngineConfig` (glm5/infer/config.py); the dynamic-batching knobs live there
-(`max_batch_size`, `preferred_batch_size`, `batch_timeout_ms`) and `AsyncEngine` applies them.
+(`max_batch_size`, `preferred_batch_size`, `batch_timeout_ms`, `batch_by_length`): the engine scheduler's
+waiting queue is the one admission queue and applies them (`Batching`); `max_waiting_requests` bounds it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ class ServerConfig:
     api_key: str | tuple[str, ...] | None = None
     admin_key: str | None = None  # Bearer key required on /admin/*; admin routes are off without it
     served_model_name: str | None = None  # model id clients must send; default: the model path's name
-    max_waiting_requests: int = 256  # past this many queued requests answer 503 + Retry-After
+    max_waiting_requests: int = 256  # past this many requests waiting (not running yet) answer 503 + Retry-After
     retry_after_s: int = 1  # value of the Retry-After header on 503 and 429
     # Per tenant (API key; the client address on a server without keys): at most this many requests served
     # at once (None = no per-tenant limit), `max_waiting_per_key` more wait their turn, past that a 429
