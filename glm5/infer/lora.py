@@ -39,6 +39,8 @@ from glm5.model.lora import WrappedLinear
 from glm5.model.moe import Experts, grouped_experts, sort_by_expert
 from glm5.model.peft_adapter import AdapterError, AdapterWeights, read_adapter
 
+from .experts import VersionedExperts
+
 UNSERVABLE = ("indexer.weights_proj", "lm_head")  # read as matrices, or shared with MTP: merge instead
 
 
@@ -285,7 +287,7 @@ class LoRAManager:
             if t.r > self.rank:
                 raise AdapterError(f"{path}: target {t.key!r} has rank {t.r} > the engine's max_lora_rank "
                                    f"{self.rank}")
-            mod = self.model.get_submodule(t.name)
+            mod = self._target(t.name)
             if t.param is not None and not isinstance(mod, Experts):
                 raise AdapterError(f"{path}: target {t.key!r} needs the routed experts resident in full precision "
                                    f"(they are {type(mod).__name__}: INT8 or offloaded)")
@@ -320,8 +322,14 @@ class LoRAManager:
             parent.__class__ = MultiLoRAAttention  # absorbed MLA reads kv_b_proj as a matrix
         return new
 
-    def _experts(self, name: str) -> MultiLoRAExperts:
+    def _target(self, name: str) -> nn.Module:
+        """The module at `name`; for routed experts behind an expert hot swap's `VersionedExperts`, the
+        module holding the current weights (adapters apply to those; the held old weights run without)."""
         mod = self.model.get_submodule(name)
+        return mod.inner if isinstance(mod, VersionedExperts) else mod
+
+    def _experts(self, name: str) -> MultiLoRAExperts:
+        mod = self._target(name)
         if not isinstance(mod, MultiLoRAExperts):
             mod.__class__ = MultiLoRAExperts
             mod.batch = self.batch

@@ -12,8 +12,8 @@ reads its command. On top of it:
   `preferred_batch_size`, `batch_timeout_ms`, `batch_by_length`; glm5/infer/scheduler.py), and while the
   engine has nothing running this thread waits `engine.batch_wait()` before the first step;
 - hot swap without draining: the swap (or a rollback) runs between two steps as soon as it arrives;
-  running requests finish on the version they started on (the engine keeps a shadow copy of the swapped
-  experts for them), new ones run on the new version, each reporting the version it ran on;
+  running requests finish on the version they started on (the engine holds the swapped experts' old
+  weights for them: glm5/infer/hot_swap.py), new ones run on the new version, each reporting the version it ran on;
 - shutdown: `drain(grace_s)` stops admitting at once, lets running requests finish for the grace period,
   then ends the rest with `EngineDead` (streams end with an error chunk and `[DONE]`);
 - faults: a request the engine aborted on a failure gets `RequestFailed`, everyone else carries on; if
