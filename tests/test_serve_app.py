@@ -285,6 +285,32 @@ def test_dynamic_batching_gathers_preferred_batch(real_server):
     assert time.monotonic() - t0 < 15  # ...and did not sit out the whole timeout once it was full
 
 
+@pytest.mark.parametrize("real_server", [{"engine": {"max_batch_size": 4, "preferred_batch_size": 3,
+                                                     "batch_timeout_ms": 20000}}], indirect=True)
+def test_gathering_requests_wait_in_the_engine_queue(real_server):
+    """One admission queue: requests gathered for the preferred batch are already in the engine's queue (and
+    counted once in vllm:num_requests_waiting); the third one starts the batch."""
+    engine, url = real_server
+
+    def waiting_gauge():
+        text = httpx.get(url + "/metrics").text
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:num_requests_waiting{"))
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as h:
+            post = lambda: h.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})  # noqa: E731
+            first = [asyncio.ensure_future(post()) for _ in range(2)]
+            deadline = time.monotonic() + 20
+            while engine.num_waiting_requests() < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            seen = (engine.num_waiting_requests(), await asyncio.to_thread(waiting_gauge), engine.batch_sizes[:])
+            return seen, await asyncio.gather(*first, post())
+    (queued, gauge, sizes), responses = asyncio.run(go())
+    assert (queued, gauge, sizes) == (2, 2.0, [])  # in the scheduler's queue, nothing stepped yet
+    assert all(r.status_code == 200 for r in responses) and engine.batch_sizes[0] == 3
+
+
 @pytest.mark.parametrize("server", [{"engine": {"step_sleep": 0.05}}], indirect=True)
 def test_stream_disconnect_aborts(server):
     engine, url = server
