@@ -68,7 +68,7 @@ def test_a_failing_request_is_aborted_and_the_batch_carries_on(engine, n):
 
 
 def test_a_failure_every_request_hits_is_an_engine_fault(engine, monkeypatch):
-    def broken(out):
+    def broken(out, **kw):
         raise RuntimeError("the device is gone")
     monkeypatch.setattr(engine.runner, "run", broken)
     for i in range(2):
@@ -81,7 +81,7 @@ def test_a_failure_every_request_hits_is_an_engine_fault(engine, monkeypatch):
 
 
 def test_a_device_error_is_not_blamed_on_a_request(engine, monkeypatch):
-    def device_error(out):
+    def device_error(out, **kw):
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
     monkeypatch.setattr(engine.runner, "run", device_error)
     engine.add_request("r", prompt_token_ids=[5, 6, 7], params=SamplingParams(**GREEDY))

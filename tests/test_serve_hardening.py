@@ -138,11 +138,11 @@ def test_a_request_that_fails_in_the_engine_fails_alone(live, monkeypatch):
     engine = live["engine"]
     real_run = engine.runner.run
 
-    def run(out):  # seed 666 fails at once, seed 667 after two tokens (mid-stream)
+    def run(out, **kw):  # seed 666 fails at once, seed 667 after two tokens (mid-stream)
         if any(s.request.params.seed == 666 or (s.request.params.seed == 667 and s.request.num_output_tokens >= 2)
                for s in out.scheduled):
             raise RuntimeError("injected fault")
-        return real_run(out)
+        return real_run(out, **kw)
     monkeypatch.setattr(engine.runner, "run", run)
     good = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     bad = {"prompt": "poison", "max_tokens": 6, "seed": 666}
@@ -171,10 +171,10 @@ def test_gauges_drop_to_zero_when_the_last_client_leaves(live, monkeypatch):
     engine, gate = live["engine"], threading.Event()
     real_run = engine.runner.run
 
-    def run(out):
+    def run(out, **kw):
         if any(s.request.num_output_tokens >= 1 for s in out.scheduled):
             gate.wait(30)
-        return real_run(out)
+        return real_run(out, **kw)
     monkeypatch.setattr(engine.runner, "run", run)
     with httpx.stream("POST", live["url"] + "/v1/completions", timeout=60,
                       json={"prompt": PROMPT, "max_tokens": 50, "stream": True, "temperature": 0,

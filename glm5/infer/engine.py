@@ -413,19 +413,19 @@ class LLMEngine:
                 self._errors.pop(o.request_id, None)
         if self.versions.held is not None:  # after the outputs: they report the version their requests ran on
             self.versions.release_unused(self._running_versions())
-            self.runner.tag_version = self.versions.held
         return outputs
 
     def _run(self, out: ScheduleOutput) -> tuple[RunnerOutput, dict[str, Exception]]:
         """The runner's step; if it fails, each request again alone to find the one(s) to blame."""
+        run = functools.partial(self.runner.run, tag_version=self.versions.held)
         try:
-            return self.runner.run(out), {}
+            return run(out), {}
         except Exception as e:  # noqa: BLE001
             if is_fatal(e):
                 raise
             log.warning("engine step failed (%s: %s); re-running its %d requests one by one",
                         type(e).__name__, e, len(out.scheduled))
-            return run_each(self.runner.run, out)
+            return run_each(run, out)
 
     def _fail(self, req: Request, error: Exception) -> None:
         """Abort the request group `req` belongs to (all n samples), keeping the error for its output."""
@@ -502,9 +502,7 @@ class LLMEngine:
         return {r.model_version for r in self.scheduler.requests.values()}
 
     def _switched(self, version: int) -> int:
-        """After a version change: the prefix cache holds KV of other weights; the runner tags the rows of
-        requests on the held version."""
+        """After a version change: the prefix cache holds KV computed with other weights."""
         self.block_manager.reset_prefix_cache()
         self.prefixes.register()  # prefix adapters' entries are not model outputs: they stay valid
-        self.runner.tag_version = self.versions.held
         return version

@@ -4,8 +4,9 @@ version, and the cache salt. The model knows none of this (it sees a `TaggedExpe
 `LLMEngine.swap_experts(updates)` writes new weights into each layer's experts module between two steps
 and makes a new version current. Requests already running stay on the version they started on: for each
 layer the swap touched, `ExpertVersions` swaps a `VersionedExperts` in for the layer's experts module (the
-mechanism INT8 and offload use) holding the previous weights of the swapped experts. The runner tags each
-token of a step with its request's version (`AttnMetadata.row_tags`, built with the step's metadata) and
+mechanism INT8 and offload use) holding the previous weights of the swapped experts. The engine hands the
+held version to `ModelRunner.run(out, tag_version)`, which tags each token of a step with its request's
+version (`AttnMetadata.row_tags`, built with the step's metadata) and
 the MoE hands the tags to the module as a forward argument, so the module reads which rows run on the
 held weights from its arguments, never from state written into it before each step; the tags are built
 only in steps that hold a request of the held version. The module is swapped out again once no request

@@ -70,9 +70,6 @@ class ModelRunner:
         self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp,
                                    index_keys=selection_possible(self.cfg, max_keys))
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        # set by the engine (between steps) while hot-swap experts modules hold this version's weights: a step
-        # with a request on it tags every token with its request's version (AttnMetadata.row_tags, hot_swap.py)
-        self.tag_version: int | None = None
         self.proposer = None
         if self.with_mtp:
             from .mtp import MTPProposer  # noqa: PLC0415 (only when speculation is on)
@@ -87,11 +84,13 @@ class ModelRunner:
         return ids, meta
 
     @torch.inference_mode()
-    def run(self, out: ScheduleOutput) -> RunnerOutput:
+    def run(self, out: ScheduleOutput, tag_version: int | None = None) -> RunnerOutput:
+        """`tag_version`: the expert version whose old weights a hot swap holds (glm5/infer/hot_swap.py); a step
+        with a request on it tags every token with its request's version (`AttnMetadata.row_tags`)."""
         result = RunnerOutput()
         if out.is_empty():
             return result
-        tag = self.tag_version is not None and any(s.request.model_version == self.tag_version for s in out.scheduled)
+        tag = tag_version is not None and any(s.request.model_version == tag_version for s in out.scheduled)
         ids, meta = self.metadata([self._chunk(s, tag) for s in out.scheduled])
         rows = self._logit_rows(out, meta)
         meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
