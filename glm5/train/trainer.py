@@ -129,12 +129,35 @@ class Trainer:
                  parallelize_fn=None, micro_fn=None):
         # micro_fn: the training forward+loss of one micro-batch (default `forward_micro`; distillation
         # passes one that mixes in the teacher's targets); validation always uses plain `forward_micro`
-        self.micro_fn = micro_fn or forward_micro
         self.cfg = cfg
         self.dims = ParallelDims.from_env(cfg.parallel)
         seed_everything(cfg.train.seed)
         self.num_threads = set_threads(cfg.train.num_threads)
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
+        self._setup_model(model, parallelize_fn, own_loss=micro_fn is not None)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.checkpointer = make_checkpointer(self.dims, self.model, self.raw_model, self.optimizer,
+                                              self.write_model, self.read_model)
+        self._setup_step(micro_fn)
+        # data ranks read different rows of the global batch (tensor/pipeline peers share one)
+        self.data = data if data is not None else build_data(cfg, self.dims.data_rank, self.dims.data_world)
+        check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
+        self.ramp = BatchRamp(self.data.micro_batch_size, self.dims.data_world, cfg.train.grad_accum,
+                              cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
+        self.step = 0
+        self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
+        self.run_dir = Path(cfg.log.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.peak_flops = 0.0
+        self.history: list[dict] = []
+        self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
+        self._resume(cfg.checkpoint.resume)
+
+    # --- setup --------------------------------------------------------------------------------------
+    def _setup_model(self, model: torch.nn.Module | None, parallelize_fn, own_loss: bool) -> None:
+        """The model (built unless given), placed by the dims (parallelised under torchrun), frozen to
+        `train.trainable`; `active_params` for MFU."""
+        cfg = self.cfg
         self.model = model if model is not None else build_model(cfg, self.device)
         self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
         self.uses_mtp = (cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
@@ -145,36 +168,40 @@ class Trainer:
         if cfg.precision.activation_checkpointing:
             self.raw_model.gradient_checkpointing = True
         self.frozen = cfg.train.trainable != "all"
-        if self.frozen:
-            if self.dims.distributed:
-                raise ValueError(f"train.trainable = {cfg.train.trainable!r} runs in one process (got a world of "
-                                 f"{self.dims.world})")
-            if micro_fn is not None:
-                raise ValueError(f"train.trainable = {cfg.train.trainable!r} needs the trainer's own forward "
-                                 "(this command passes its own loss)")
-            self.trainable_params = freeze_except(self.raw_model, cfg.train.trainable)
-            # MFU's 6 FLOPs per active parameter assume a backward through all of them: the frozen part
-            # costs its forward (2), the trained part forward and backward (6)
-            trained = perf.active_params(self.raw_model, include_mtp=True,
-                                         names=set(trainable_names(self.raw_model, cfg.train.trainable)))
-            self.active_params = (2 * self.active_params + 4 * trained) // 6
-            dist.print0(f"train.trainable = {cfg.train.trainable}: {self.trainable_params:,} parameters train, "
-                        "the rest is frozen")
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.checkpointer = make_checkpointer(self.dims, self.model, self.raw_model, self.optimizer,
-                                              self.write_model, self.read_model)
+        if not self.frozen:
+            return
+        if self.dims.distributed:
+            raise ValueError(f"train.trainable = {cfg.train.trainable!r} runs in one process (got a world of "
+                             f"{self.dims.world})")
+        if own_loss:
+            raise ValueError(f"train.trainable = {cfg.train.trainable!r} needs the trainer's own forward "
+                             "(this command passes its own loss)")
+        self.trainable_params = freeze_except(self.raw_model, cfg.train.trainable)
+        # MFU's 6 FLOPs per active parameter assume a backward through all of them: the frozen part
+        # costs its forward (2), the trained part forward and backward (6)
+        trained = perf.active_params(self.raw_model, include_mtp=True,
+                                     names=set(trainable_names(self.raw_model, cfg.train.trainable)))
+        self.active_params = (2 * self.active_params + 4 * trained) // 6
+        dist.print0(f"train.trainable = {cfg.train.trainable}: {self.trainable_params:,} parameters train, "
+                    "the rest is frozen")
+
+    def _setup_step(self, micro_fn) -> None:
+        """What one optimizer step uses: the micro-batch loss, gradient buffers, guard, balance state,
+        clipping groups, the indexer's attention capture, autocast."""
+        cfg = self.cfg
         # the LM loss fused with the head (glm5/train/loss.py) in one process with a plain head: a sharded
         # head (FSDP/TP) has its own loss path, and an adapted one (LoRA with dropout) is more than its
         # `.weight`. A custom micro_fn (distillation) keeps its own loss.
         self.fused_ce = (not self.dims.distributed
                          and type(getattr(self.raw_model, "lm_head", None)) is torch.nn.Linear)
-        if self.micro_fn is forward_micro:
+        if micro_fn is None or micro_fn is forward_micro:
             kw = {"fused_ce": True} if self.fused_ce else {}
             if cfg.train.trainable != "all" or cfg.train.mtp_target != "data":
                 kw.update(trainable=cfg.train.trainable, mtp_target=cfg.train.mtp_target)
-            self.micro_fn = functools.partial(forward_micro, **kw) if kw else forward_micro
+            micro_fn = functools.partial(forward_micro, **kw) if kw else forward_micro
         elif cfg.train.mtp_target != "data":
             raise ValueError("train.mtp_target = 'self' needs the trainer's own forward (this command passes its own loss)")
+        self.micro_fn = micro_fn
         if cfg.train.mtp_target == "self" and not self.uses_mtp:
             raise ValueError("train.mtp_target = 'self' but the model has no MTP layer (num_nextn_predict_layers = 0)")
         # one process on CPU: gradient buffers live on between steps (no page faults refilling them;
@@ -186,12 +213,7 @@ class Trainer:
             raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
         if self.pipeline is not None and cfg.train.mtp_target != "data":
             raise ValueError("train.mtp_target = 'self' is not supported with parallel.pipeline_parallel > 1")
-        # data ranks read different rows of the global batch (tensor/pipeline peers share one)
-        self.data = data if data is not None else build_data(cfg, self.dims.data_rank, self.dims.data_world)
-        check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
-        self.ramp = BatchRamp(self.data.micro_batch_size, self.dims.data_world, cfg.train.grad_accum,
-                              cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
         self.gates, self.tracker = find_gates(self.raw_model), LoadTracker()
         if self.frozen:  # a frozen router keeps its correction bias: only the MTP layers' gates update
             first = self.raw_model.config.num_hidden_layers
@@ -199,16 +221,8 @@ class Trainer:
         self.layer_groups = layer_groups(self.raw_model)
         need_capture = cfg.dsa.indexer_loss_coef > 0 or cfg.train.trainable == "indexer"
         self.capture = AttnCapture(self.raw_model, cfg.dsa.indexer_kl_rows) if need_capture else None
-        self.step = 0
-        self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
-        self.run_dir = Path(cfg.log.run_dir)
-        self.ckpt_root = self.run_dir / "checkpoints"
         self.autocast_dtype = self._autocast_dtype()
-        self.peak_flops = 0.0
-        self.history: list[dict] = []
         self.mtp_agree: int | None = None  # the step's MTP/trunk argmax agreements (`self` target)
-        self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
-        self._resume(cfg.checkpoint.resume)
 
     @property
     def distributed(self) -> bool:
