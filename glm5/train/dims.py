@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # parallel.py pulls in FSDP / DTensor / pipelining: imported 
     from .parallel import ParallelPlan
     from .parallel_pp import PipelineRunner
 
-Metrics = TypeVar("Metrics", float, list, dict)
+Metrics = TypeVar("Metrics", float, list[float], dict[str, float])  # a scalar, or several in one all-reduce
 
 
 @dataclass(frozen=True)
