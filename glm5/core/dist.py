@@ -42,3 +42,14 @@ def init_from_env(backend: str | None = None) -> bool:
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend)
     return True
+
+
+def all_reduce_scalars(values: list[float], op: str = "sum") -> list[float]:
+    """Per-rank scalars reduced over all ranks ("sum" or "max") in one float64 all-reduce; `values`
+    unchanged without a process group."""
+    if not is_dist():
+        return list(values)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()

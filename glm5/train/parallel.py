@@ -268,13 +268,7 @@ def clip_grad_norm_(params, max_norm: float, norm: torch.Tensor | None = None,
 def sum_over_ranks(value: float | list[float]) -> float | list[float]:
     """Per-rank scalars (loss sums, token counts) summed over all ranks in one all-reduce; a float or a
     list of floats; unchanged without a process group."""
-    if not gdist.is_dist():
-        return value
-    values = value if isinstance(value, list) else [value]
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64,
-                     device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t)
-    out = t.tolist()
+    out = gdist.all_reduce_scalars(value if isinstance(value, list) else [value])
     return out if isinstance(value, list) else out[0]
 
 

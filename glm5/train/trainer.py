@@ -4,8 +4,12 @@ Owns the order of operations in one optimizer step: fetch the step's micro-batch
 by ratio), forward/backward each under autocast, non-finite guard, clipping, optimizer step, MoE bias
 update; then logging (tqdm + metrics JSONL), periodic validation and checkpoints, and at the end the
 validation loss against a unigram baseline and the final HF-format model in `RUN_DIR/final`.
-Parallelism is applied from outside the model by `parallelize(model, cfg)` (glm5/train/parallel.py)
-when launched with several processes; the model itself stays pure math.
+Topology lives in one object, `self.dims` (`ParallelDims`, glm5/train/dims.py): built from
+`cfg.parallel` and the environment, it applies `parallelize(model, cfg)` (glm5/train/parallel.py) when
+launched with several processes (the model itself stays pure math) and holds the process groups. The
+loop calls its collectives (metric sums, gradient norm and clipping, barriers) unconditionally: in one
+process they are the identity. The checkpoint writer (DCP or plain safetensors, glm5/train/checkpointer.py)
+is chosen from it once, at construction.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import torch
 
 from glm5.core import dist
 from glm5.core.config import to_dict
-from glm5.core.io import (CheckpointError, LazyTensors, atomic_dir, check_finite, remove_stale_tmp,
-                          safetensors_files, save_file_checked)
+from glm5.core.io import (CheckpointError, LazyTensors, check_finite, remove_stale_tmp, safetensors_files,
+                          save_file_checked)
 from glm5.core.log import MetricsWriter
 from glm5.model.config import ModelConfig
 from glm5.model.generation_config import GenerationConfig
@@ -33,14 +37,16 @@ from glm5.model.model import GLM5ForCausalLM
 
 from . import perf
 from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
-from .checkpoint import load_checkpoint, read_hf_model, resume_candidates, save_checkpoint
+from .checkpoint import read_hf_model, resume_candidates
+from .checkpointer import make_checkpointer
 from .config import TrainConfig
 from .data import DataSource, build_data
+from .dims import ParallelDims
 from .grads import KeptGrads
 from .indexer_warmup import AttnCapture, indexer_parameters, warmup_step
 from .optim import build_optimizer
 from .schedule import BatchRamp, lr_factor, pick_objective
-from .stability import NonFiniteGuard, clip_global, clip_layerwise, grad_norm, layer_groups
+from .stability import NonFiniteGuard, layer_groups
 from .step import IGNORE, MODEL_KEYS, forward_micro, micro_loss, mtp_labels
 
 logger = logging.getLogger("glm5.train")
@@ -123,75 +129,91 @@ class Trainer:
                  parallelize_fn=None, micro_fn=None):
         # micro_fn: the training forward+loss of one micro-batch (default `forward_micro`; distillation
         # passes one that mixes in the teacher's targets); validation always uses plain `forward_micro`
-        self.micro_fn = micro_fn or forward_micro
         self.cfg = cfg
-        dist.init_from_env(None if cfg.parallel.backend == "auto" else cfg.parallel.backend)
+        self.dims = ParallelDims.from_env(cfg.parallel)
         seed_everything(cfg.train.seed)
         self.num_threads = set_threads(cfg.train.num_threads)
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
+        self._setup_model(model, parallelize_fn, own_loss=micro_fn is not None)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.checkpointer = make_checkpointer(self.dims, self.model, self.raw_model, self.optimizer,
+                                              self.write_model, self.read_model)
+        self._setup_step(micro_fn)
+        # data ranks read different rows of the global batch (tensor/pipeline peers share one)
+        self.data = data if data is not None else build_data(cfg, self.dims.data_rank, self.dims.data_world)
+        check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
+        self.ramp = BatchRamp(self.data.micro_batch_size, self.dims.data_world, cfg.train.grad_accum,
+                              cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
+        self.step = 0
+        self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
+        self.run_dir = Path(cfg.log.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.peak_flops = 0.0
+        self.history: list[dict] = []
+        self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
+        self._resume(cfg.checkpoint.resume)
+
+    # --- setup --------------------------------------------------------------------------------------
+    def _setup_model(self, model: torch.nn.Module | None, parallelize_fn, own_loss: bool) -> None:
+        """The model (built unless given), placed by the dims (parallelised under torchrun), frozen to
+        `train.trainable`; `active_params` for MFU."""
+        cfg = self.cfg
         self.model = model if model is not None else build_model(cfg, self.device)
         self.raw_model = self.model  # the unwrapped module: checkpoints, gates, config
         self.uses_mtp = (cfg.train.mtp_weight > 0 and self.raw_model.config.num_nextn_predict_layers > 0
                          and cfg.train.trainable != "indexer")  # the indexer runs freeze the MTP layer too
         # before any pipeline cut prunes the model to this rank's layers
         self.active_params = perf.active_params(self.raw_model, include_mtp=self.uses_mtp)
-        self.distributed = dist.world_size() > 1
-        if self.distributed:
-            if parallelize_fn is None:
-                from .parallel import parallelize as parallelize_fn  # built by the distributed task
-            self.model = parallelize_fn(self.model, cfg)
+        self.model, self.dims = self.dims.parallelize(self.model, cfg, parallelize_fn)
         if cfg.precision.activation_checkpointing:
             self.raw_model.gradient_checkpointing = True
         self.frozen = cfg.train.trainable != "all"
-        if self.frozen:
-            if self.distributed:
-                raise ValueError(f"train.trainable = {cfg.train.trainable!r} runs in one process (got a world of "
-                                 f"{dist.world_size()})")
-            if micro_fn is not None:
-                raise ValueError(f"train.trainable = {cfg.train.trainable!r} needs the trainer's own forward "
-                                 "(this command passes its own loss)")
-            self.trainable_params = freeze_except(self.raw_model, cfg.train.trainable)
-            # MFU's 6 FLOPs per active parameter assume a backward through all of them: the frozen part
-            # costs its forward (2), the trained part forward and backward (6)
-            trained = perf.active_params(self.raw_model, include_mtp=True,
-                                         names=set(trainable_names(self.raw_model, cfg.train.trainable)))
-            self.active_params = (2 * self.active_params + 4 * trained) // 6
-            dist.print0(f"train.trainable = {cfg.train.trainable}: {self.trainable_params:,} parameters train, "
-                        "the rest is frozen")
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        # data ranks: ranks that read different rows of the global batch (tensor/pipeline peers share one)
-        plan = getattr(self.model, "parallel_plan", None)
-        self.data_rank, self.data_world = (plan.data_rank, plan.data_world) if plan else (dist.rank(), dist.world_size())
-        self.data_group = plan.data_group if plan else None
-        self.loss_context = plan.loss_context if plan else contextlib.nullcontext
-        self.pipeline = plan.pipeline if plan else None
+        if not self.frozen:
+            return
+        if self.dims.distributed:
+            raise ValueError(f"train.trainable = {cfg.train.trainable!r} runs in one process (got a world of "
+                             f"{self.dims.world})")
+        if own_loss:
+            raise ValueError(f"train.trainable = {cfg.train.trainable!r} needs the trainer's own forward "
+                             "(this command passes its own loss)")
+        self.trainable_params = freeze_except(self.raw_model, cfg.train.trainable)
+        # MFU's 6 FLOPs per active parameter assume a backward through all of them: the frozen part
+        # costs its forward (2), the trained part forward and backward (6)
+        trained = perf.active_params(self.raw_model, include_mtp=True,
+                                     names=set(trainable_names(self.raw_model, cfg.train.trainable)))
+        self.active_params = (2 * self.active_params + 4 * trained) // 6
+        dist.print0(f"train.trainable = {cfg.train.trainable}: {self.trainable_params:,} parameters train, "
+                    "the rest is frozen")
+
+    def _setup_step(self, micro_fn) -> None:
+        """What one optimizer step uses: the micro-batch loss, gradient buffers, guard, balance state,
+        clipping groups, the indexer's attention capture, autocast."""
+        cfg = self.cfg
         # the LM loss fused with the head (glm5/train/loss.py) in one process with a plain head: a sharded
         # head (FSDP/TP) has its own loss path, and an adapted one (LoRA with dropout) is more than its
         # `.weight`. A custom micro_fn (distillation) keeps its own loss.
-        self.fused_ce = not self.distributed and type(getattr(self.raw_model, "lm_head", None)) is torch.nn.Linear
-        if self.micro_fn is forward_micro:
+        self.fused_ce = (not self.dims.distributed
+                         and type(getattr(self.raw_model, "lm_head", None)) is torch.nn.Linear)
+        if micro_fn is None or micro_fn is forward_micro:
             kw = {"fused_ce": True} if self.fused_ce else {}
             if cfg.train.trainable != "all" or cfg.train.mtp_target != "data":
                 kw.update(trainable=cfg.train.trainable, mtp_target=cfg.train.mtp_target)
-            self.micro_fn = functools.partial(forward_micro, **kw) if kw else forward_micro
+            micro_fn = functools.partial(forward_micro, **kw) if kw else forward_micro
         elif cfg.train.mtp_target != "data":
             raise ValueError("train.mtp_target = 'self' needs the trainer's own forward (this command passes its own loss)")
+        self.micro_fn = micro_fn
         if cfg.train.mtp_target == "self" and not self.uses_mtp:
             raise ValueError("train.mtp_target = 'self' but the model has no MTP layer (num_nextn_predict_layers = 0)")
-        self.pp_group = plan.pp_group if plan else None
         # one process on CPU: gradient buffers live on between steps (no page faults refilling them;
         # grads.py). CUDA's caching allocator already reuses freed blocks.
-        keep = cfg.train.keep_grad_buffers and not self.distributed and self.device.type == "cpu"
+        keep = cfg.train.keep_grad_buffers and not self.dims.distributed and self.device.type == "cpu"
         self.kept_grads = KeptGrads() if keep else None
+        self.pipeline = self.dims.pipeline  # runs this rank's stages under parallel.pipeline_parallel > 1
         if self.pipeline is not None and cfg.dsa.indexer_loss_coef > 0:
             raise ValueError("dsa.indexer_loss_coef > 0 is not supported with parallel.pipeline_parallel > 1")
         if self.pipeline is not None and cfg.train.mtp_target != "data":
             raise ValueError("train.mtp_target = 'self' is not supported with parallel.pipeline_parallel > 1")
-        self.data = data if data is not None else build_data(cfg, self.data_rank, self.data_world)
-        check_compatible(cfg, self.raw_model.config, getattr(self.data, "vocab_size", 0))
         self.guard = NonFiniteGuard(cfg.stability.max_bad_steps, cfg.stability.nan_lr_factor)
-        self.ramp = BatchRamp(self.data.micro_batch_size, self.data_world, cfg.train.grad_accum,
-                              cfg.train.batch_ramp_start, cfg.train.batch_ramp_steps)
         self.gates, self.tracker = find_gates(self.raw_model), LoadTracker()
         if self.frozen:  # a frozen router keeps its correction bias: only the MTP layers' gates update
             first = self.raw_model.config.num_hidden_layers
@@ -199,16 +221,13 @@ class Trainer:
         self.layer_groups = layer_groups(self.raw_model)
         need_capture = cfg.dsa.indexer_loss_coef > 0 or cfg.train.trainable == "indexer"
         self.capture = AttnCapture(self.raw_model, cfg.dsa.indexer_kl_rows) if need_capture else None
-        self.step = 0
-        self.unigram = torch.zeros(self.raw_model.config.vocab_size, dtype=torch.float64)
-        self.run_dir = Path(cfg.log.run_dir)
-        self.ckpt_root = self.run_dir / "checkpoints"
         self.autocast_dtype = self._autocast_dtype()
-        self.peak_flops = 0.0
-        self.history: list[dict] = []
         self.mtp_agree: int | None = None  # the step's MTP/trunk argmax agreements (`self` target)
-        self.time_budget: tuple[float, float] | None = None  # (start, seconds) while fit() runs with a limit
-        self._resume(cfg.checkpoint.resume)
+
+    @property
+    def distributed(self) -> bool:
+        """Launched with several processes (`self.dims.distributed`)."""
+        return self.dims.distributed
 
     # --- state --------------------------------------------------------------------------------------
     def _autocast_dtype(self) -> torch.dtype | None:
@@ -225,11 +244,10 @@ class Trainer:
         """Remove what interrupted checkpoint writes left, then load the checkpoint to resume from.
         With "auto" a checkpoint that fails to load (corrupt, truncated, NaN) is reported and the
         previous one is tried; a named checkpoint that fails is an error."""
-        if dist.is_main():
+        if self.dims.is_main:
             for stale in remove_stale_tmp(self.ckpt_root) + remove_stale_tmp(self.run_dir):
                 dist.print0(f"removed {stale} (left by an interrupted checkpoint write)")
-        if dist.is_dist():
-            torch.distributed.barrier()
+        self.dims.barrier()
         failures = []
         for path in resume_candidates(resume, self.ckpt_root):
             try:
@@ -245,14 +263,7 @@ class Trainer:
                                   + "; ".join(failures) + "); delete them to start afresh")
 
     def _load(self, path: Path) -> None:
-        if (path / "dcp").is_dir():  # written by torchrun: DCP reshards to any world size, 1 included
-            from .parallel_ckpt import load_train_checkpoint
-            state = load_train_checkpoint(path, self.model, self.optimizer)
-        elif self.distributed:
-            raise ValueError(f"{path} is a single-process checkpoint (no dcp/); resume it with one process, "
-                             "or start the distributed run from its weights: --model.name=PATH/model")
-        else:
-            state = load_checkpoint(path, self.raw_model, self.optimizer, read_model=self.read_model)
+        state = self.checkpointer.load(path)
         self.step = int(state["step"])
         self.guard.load_state_dict(state["guard"])
         self.data.load_state_dict(state["data"])
@@ -275,18 +286,9 @@ class Trainer:
         dist.print0(f"using {recorded} CPU threads, as recorded in the checkpoint (train.num_threads = 0)")
 
     def save(self) -> Path | None:
-        if self.distributed:  # DCP: every rank writes its shards; reloadable at another world size
-            from .parallel_ckpt import save_train_checkpoint
-            return save_train_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer,
-                                         self.trainer_state(), to_dict(self.cfg), self.cfg.checkpoint.keep_last)
-        path = None
-        if dist.is_main():
-            path = save_checkpoint(self.ckpt_root, self.step, self.raw_model, self.optimizer,
-                                   self.trainer_state(), to_dict(self.cfg), self.cfg.checkpoint.keep_last,
-                                   write_model=self.write_model)
-        if dist.is_dist():
-            torch.distributed.barrier()
-        return path
+        """`RUN_DIR/checkpoints/step_N` (the writer of `self.checkpointer`: DCP shards under torchrun)."""
+        return self.checkpointer.save(self.ckpt_root, self.step, self.trainer_state(), to_dict(self.cfg),
+                                      self.cfg.checkpoint.keep_last)
 
     def write_model(self, model: torch.nn.Module, directory: Path) -> None:
         """What a single-process checkpoint's `model/` holds: the whole model in HF layout (fine-tuning
@@ -339,7 +341,7 @@ class Trainer:
         step, total = self.step, self.cfg.train.steps
         if self.time_budget is not None:
             start, limit = self.time_budget
-            frac = self._sum((time.monotonic() - start) / limit) / dist.world_size()  # same on every rank
+            frac = self.dims.mean((time.monotonic() - start) / limit)  # the same on every rank
             step = max(step, min(total - 1, int(frac * total)))
         factor = lr_factor(step, self.cfg.schedule, total) * self.guard.lr_scale
         for g in self.optimizer.param_groups:
@@ -372,7 +374,7 @@ class Trainer:
         if self.kept_grads is not None:
             self.kept_grads.drop_untouched()
         params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = self._grad_norm(params)
+        norm = self.dims.grad_norm(params)
         metrics["grad_norm"] = float(norm)
         if not self.guard.check(self.raw_model, metrics["loss"], float(norm), self.step):
             metrics["skipped"] = True
@@ -384,10 +386,10 @@ class Trainer:
             self.kept_grads.zero(params)
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        loads = self.tracker.reduce(self.data_group)
+        loads = self.tracker.reduce(self.dims.data_group)
         trained = {i: v for i, v in loads.items() if i in self.gates} if self.frozen else loads  # frozen: logged only
         update_expert_bias(self.gates, trained, self.cfg.balance.bias_update_rate)
-        metrics.update(load_metrics(self._all_stages(loads)))
+        metrics.update(load_metrics(self.dims.gather_stages(loads)))  # every pipeline stage's layers
         self.step += 1
         return metrics
 
@@ -399,10 +401,10 @@ class Trainer:
         n_tok = sum(int((b["labels"] != IGNORE).sum()) for _, b in micro)
         n_mtp = sum(int((mtp_labels(b["labels"]) != IGNORE).sum()) for o, b in micro if o == "clm") \
             if self.uses_mtp else 0
-        n_tok, n_mtp = self._global([n_tok, n_mtp], self._replicas)
+        n_tok, n_mtp = self.dims.sum([n_tok, n_mtp], self.dims.replicas)
         self.tracker.reset()
         run = self._run_pipeline if self.pipeline is not None else self._run_micro
-        lm_sum, mtp_sum, extra = run(micro, n_tok / self.data_world, n_mtp / self.data_world)
+        lm_sum, mtp_sum, extra = run(micro, n_tok / self.dims.data_world, n_mtp / self.dims.data_world)
         for _, batch in micro:
             labels = batch["labels"][batch["labels"] != IGNORE]
             self.unigram += torch.bincount(labels.cpu(), minlength=self.unigram.numel()).double()
@@ -410,15 +412,15 @@ class Trainer:
         # balance terms averaged over data ranks (each rank's term is already scaled to the global one).
         # Loss sums exist once per (data rank, tp rank): on the last pipeline stage, or per stage's layers.
         names = sorted(self._balance_names(extra))
-        lm_sum, mtp_sum, *extras = self._global([lm_sum, mtp_sum] + [extra.get(k, 0.0) for k in names],
-                                                self.plan_tp)
+        lm_sum, mtp_sum, *extras = self.dims.sum([lm_sum, mtp_sum] + [extra.get(k, 0.0) for k in names],
+                                                 self.dims.tp)
         metrics = {"loss": lm_sum / max(1, n_tok), "tokens": int(n_tok),
                    "objectives": {o: sum(1 for m, _ in micro if m == o) for o in cfg.train.objectives}}
         if n_mtp:
             metrics["mtp_loss"] = mtp_sum / n_mtp
             if self.mtp_agree is not None:  # `self` target: teacher-forced greedy draft acceptance
-                metrics["mtp_agree"] = self._global([self.mtp_agree], self.plan_tp)[0] / n_mtp
-        return {**metrics, **{k: v / self.data_world for k, v in zip(names, extras)}}
+                metrics["mtp_agree"] = self.dims.sum(self.mtp_agree, self.dims.tp) / n_mtp
+        return {**metrics, **{k: v / self.dims.data_world for k, v in zip(names, extras)}}
 
     def _run_micro(self, micro: list[tuple[str, dict]], step_tokens: float, step_mtp: float):
         """Forward/backward of each micro-batch in turn -> (lm sum, MTP sum, balance terms / n_micro)."""
@@ -426,10 +428,10 @@ class Trainer:
         lm_sum, mtp_sum, extra = 0.0, 0.0, {}
         self.mtp_agree = None
         for objective, batch in micro:
-            with self.loss_context():  # forward and backward (tensor parallel: vocab-parallel loss)
+            with self.dims.loss_context():  # forward and backward (tensor parallel: vocab-parallel loss)
                 with self._autocast():
                     res = self.micro_fn(self.model, batch, objective, cfg.train.mtp_weight, cfg.balance,
-                                        cfg.dsa.indexer_loss_coef, self.capture, self.data_group)
+                                        cfg.dsa.indexer_loss_coef, self.capture, self.dims.data_group)
                     loss = micro_loss(res, step_tokens, step_mtp, cfg.train.mtp_weight, len(micro))
                 loss.backward()
             lm_sum += float(res.lm_sum.detach())
@@ -444,31 +446,13 @@ class Trainer:
     def _run_pipeline(self, micro: list[tuple[str, dict]], step_tokens: float, step_mtp: float):
         """The same through the pipeline schedule (one objective per step)."""
         cfg = self.cfg
-        with self.loss_context(), self._autocast():
+        with self.dims.loss_context(), self._autocast():
             sums = self.pipeline.run([b for _, b in micro], micro[0][0] == "clm" and self.uses_mtp,
-                                     step_tokens, step_mtp, cfg.train.mtp_weight, cfg.balance, self.data_group)
+                                     step_tokens, step_mtp, cfg.train.mtp_weight, cfg.balance, self.dims.data_group)
         self.pipeline.sync_tied_grads()
         for stats in sums.stats:
             self.tracker.add(stats)
         return sums.lm_sum, sums.mtp_sum, sums.balance
-
-    def _all_stages(self, loads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Per-layer expert loads of every pipeline stage (for the log; each stage has its own layers)."""
-        if self.pp_group is None:
-            return loads
-        parts: list = [None] * torch.distributed.get_world_size(self.pp_group)
-        torch.distributed.all_gather_object(parts, {k: v.cpu() for k, v in loads.items()}, group=self.pp_group)
-        return {k: v for part in parts for k, v in part.items()}
-
-    @property
-    def _replicas(self) -> int:
-        """Ranks that hold the same data shard (tensor and pipeline peers)."""
-        return dist.world_size() // self.data_world
-
-    @property
-    def plan_tp(self) -> int:
-        plan = getattr(self.model, "parallel_plan", None)
-        return plan.tp if plan else 1
 
     def _balance_names(self, extra: dict) -> list[str]:
         """The balance terms every rank reports (pipeline stages without MoE layers report none)."""
@@ -478,44 +462,13 @@ class Trainer:
         return [k for k, c in (("seq_aux_loss", b.seq_aux_coef), ("aux_loss", b.aux_coef),
                                ("z_loss", b.z_loss_coef)) if c]
 
-    def _global(self, values: list[float], replicas: int | None = None) -> list[float]:
-        """Per-rank values summed over all ranks (one all-reduce) and divided by `replicas`, the number
-        of ranks holding each value (default: every tensor/pipeline peer of a data rank)."""
-        if not self.distributed:
-            return list(values)
-        from .parallel import sum_over_ranks
-        replicas = self._replicas if replicas is None else replicas
-        return [v / replicas for v in sum_over_ranks(values)]
-
-    def _sum(self, value: float) -> float:
-        if not self.distributed:
-            return value
-        from .parallel import sum_over_ranks
-        return sum_over_ranks(value)
-
-    def _grad_norm(self, params) -> torch.Tensor:
-        if self.distributed:  # sharded (DTensor) gradients on several meshes (and pipeline stages)
-            from .parallel import grad_norm as dist_grad_norm
-            if self.pipeline is not None:
-                params = self.pipeline.norm_params(params)
-            return dist_grad_norm(params, self.pp_group)
-        return grad_norm(params)
-
     def _clip(self, params, norm: torch.Tensor) -> None:
         stab = self.cfg.stability
         if stab.clip in ("layerwise", "both"):
-            if self.distributed:
-                from .parallel import scale_, total_norm
-                self.layer_norms = clip_layerwise(self.layer_groups, stab.layerwise_base, total_norm, scale_)
-            else:
-                self.layer_norms = clip_layerwise(self.layer_groups, stab.layerwise_base)
-            norm = self._grad_norm(params)
+            self.layer_norms = self.dims.clip_layerwise(self.layer_groups, stab.layerwise_base)
+            norm = self.dims.grad_norm(params)
         if stab.clip in ("global", "both"):
-            if self.distributed:
-                from .parallel import clip_grad_norm_
-                clip_grad_norm_(params, stab.max_grad_norm, self._grad_norm(params))
-            else:
-                clip_global(params, stab.max_grad_norm, norm)
+            self.dims.clip_global(params, stab.max_grad_norm, norm)
 
     def indexer_warmup(self, writer) -> None:
         """DSA stage 1 (before step 0): `dsa.indexer_warmup_steps` steps training only the indexers by
@@ -541,7 +494,7 @@ class Trainer:
         the frozen trunk's next hidden states over `train.mtp_init_batches` training batches
         (glm5/train/mtp_init.py). Those batches are consumed from the data stream; a run resumed past
         step 0 has the fitted weights in its checkpoint and does not fit again."""
-        if self.distributed:
+        if self.dims.distributed:
             raise ValueError("train.mtp_init = 'lstsq' runs in one process")
         from .mtp_init import fit_mtp_lstsq
         t0 = time.perf_counter()
@@ -575,15 +528,13 @@ class Trainer:
             self.capture.enabled = False
         total, count, uni = 0.0, 0, 0.0
         mtp = {"sum": 0.0, "tokens": 0, "agree": 0}
-        counts = self.unigram.clone()
-        if self.data_group is not None:  # fitted on the global batch's targets, as one process would
-            torch.distributed.all_reduce(counts, group=self.data_group)
+        counts = self.dims.sum_over_data_(self.unigram.clone())  # the global batch's targets, as one process's
         logp = torch.log((counts + 1) / (counts.sum() + counts.numel()))
         for batch in self.data.val_batches(self.cfg.log.eval_batches):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            with self._autocast(), self.loss_context():
+            with self._autocast(), self.dims.loss_context():
                 if self.pipeline is not None:  # lm sum and tokens on the last stage, 0 elsewhere
-                    total += self.pipeline.run([batch], False, 1.0, 0.0, 0.0, self.cfg.balance, self.data_group,
+                    total += self.pipeline.run([batch], False, 1.0, 0.0, 0.0, self.cfg.balance, self.dims.data_group,
                                                train=False).lm_sum
                     count += self.pipeline.lm_tokens([batch])
                 elif self.cfg.train.trainable == "mtp":  # one frozen pass gives both losses
@@ -602,8 +553,8 @@ class Trainer:
         self.model.train()
         if self.capture is not None:
             self.capture.enabled = True
-        total, count = self._global([total, count], self.plan_tp)  # over the data ranks' shards
-        uni, = self._global([uni])
+        total, count = self.dims.sum([total, count], self.dims.tp)  # over the data ranks' shards
+        uni = self.dims.sum(uni, self.dims.replicas)
         count = int(count)
         if count == 0:
             return {}
@@ -617,7 +568,7 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------------------
     def fit(self) -> dict:
         cfg = self.cfg
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if dist.is_main() else None
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl") if self.dims.is_main else None
         if writer is not None and self.step == 0:
             writer.write(0, event="config", config=to_dict(cfg), active_params=self.active_params,
                          num_threads=self.num_threads, device=str(self.device))
@@ -627,7 +578,7 @@ class Trainer:
             self.indexer_warmup(writer)
         if self.step == 0 and cfg.train.mtp_init == "lstsq":
             self.mtp_warm_start(writer)
-        bar = _progress(cfg.log.progress and dist.is_main(), self.step, cfg.train.steps)
+        bar = _progress(cfg.log.progress and self.dims.is_main, self.step, cfg.train.steps)
         last_saved, summary = self.step, {}
         deadline = None
         if cfg.train.time_limit_min:
@@ -635,11 +586,11 @@ class Trainer:
             deadline = sum(self.time_budget)
         try:
             while self.step < cfg.train.steps:
-                if deadline is not None and self._sum(float(time.monotonic() > deadline)) > 0:
+                if deadline is not None and self.dims.max(float(time.monotonic() > deadline)) > 0:  # any rank
                     dist.print0(f"train.time_limit_min={cfg.train.time_limit_min} reached at step {self.step}")
                     break
                 every = cfg.log.profile_comm_every
-                profiled = self.distributed and every > 0 and (self.step % every == 0 or self.step == 0)
+                profiled = self.dims.distributed and every > 0 and (self.step % every == 0 or self.step == 0)
                 t0 = time.perf_counter()
                 if profiled:  # communication time beside MFU (the profiler slows this step a little)
                     from .comm import profile_step
@@ -650,7 +601,7 @@ class Trainer:
                 m["step_s"] = dt
                 m["tokens_per_s"] = m["tokens"] / dt  # m["tokens"] is already the global count
                 # tokens/s is global, so the peak is one device's times the number of ranks
-                m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops * dist.world_size())
+                m["mfu"] = perf.mfu(self.active_params, m["tokens_per_s"], self.peak_flops * self.dims.world)
                 if profiled:
                     m.update(comm.as_metrics(dt))
                 self.history.append({"step": self.step, **{k: v for k, v in m.items() if k != "expert_load"}})
@@ -698,17 +649,7 @@ class Trainer:
 
     def save_final(self) -> Path | None:
         """`RUN_DIR/final`: the model in HF layout plus the tokenizer files (for `glm5 generate`)."""
-        final = self.run_dir / "final"
-        if self.distributed:
-            from .parallel_ckpt import export_hf
-            export_hf(self.model, final)  # collective; rank 0 writes
-            if dist.is_main():
-                self.data.save_tokenizer(final)
-            return final
-        with atomic_dir(final) as tmp:
-            save_pretrained(self.raw_model, tmp)
-            self.data.save_tokenizer(tmp)
-        return final
+        return self.checkpointer.save_final(self.run_dir / "final", self.data.save_tokenizer)
 
 
 def _progress(enabled: bool, start: int, total: int):
