@@ -461,6 +461,8 @@ class LLMEngine:
                      kv_expanded_bytes_per_token=cache.expanded_bytes_per_token(), model_version=self.model_version)
         if self.runner.proposer is not None:
             stats.update(self.runner.proposer.stats())
+        if self.runner.graphs is not None:  # captured decode: build seconds, buckets, steps served, why off
+            stats.update(self.runner.graphs.stats())
         stats.update(expert_stats(self.model))
         stats["expert_load"] = self.expert_load()
         return stats

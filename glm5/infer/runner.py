@@ -11,6 +11,7 @@ Dims: N flat tokens, H hidden, V vocab, M logit rows.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import AttnMetadata, ExpertShadow, LayerKernel
 
 from .config import EngineConfig
+from .graphs import DecodeGraphs, bucket_sizes
 from .input_batch import SeqChunk, build_metadata
 from .outputs import PositionLogprobs
 from .sampling import Sampler, logprobs_of, position_logprobs, requested_logprobs, with_requested
@@ -67,8 +69,7 @@ class ModelRunner:
         # no indexer keys when no request can outgrow the top-k (every key is attended; e.g. max_model_len
         # <= index_topk): the projection, RoPE and cache write of the indexer key are skipped on every layer
         max_keys = (config.max_model_len or self.cfg.max_position_embeddings) + config.speculative_num_tokens
-        self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp,
-                                   index_keys=selection_possible(self.cfg, max_keys))
+        self.graphs = self._decode_graphs(model, config, num_blocks, max_keys, cache_dtype)
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.expert_shadow: ExpertShadow | None = None  # set by the engine while requests run on an older version
         self.proposer = None
@@ -76,6 +77,19 @@ class ModelRunner:
             from .mtp import MTPProposer  # noqa: PLC0415 (only when speculation is on)
             self.proposer = MTPProposer(self, config.speculative_num_tokens,
                                          (config.prompt_lookup_min, config.prompt_lookup_max))
+
+    def _decode_graphs(self, model, config: EngineConfig, num_blocks: int, max_keys: int,
+                       cache_dtype: torch.dtype) -> DecodeGraphs | None:
+        """Allocate the KV cache; with a captured decode (`compile_decode`), one block more: the scratch block
+        its padding rows write to, outside the block manager's pool (ids 0..num_blocks-1)."""
+        mode = "none" if config.enforce_eager or self.with_mtp else config.compile_decode
+        index_keys = selection_possible(self.cfg, max_keys)
+        self.cache = LatentKVCache(self.cfg, num_blocks + (mode != "none"), config.block_size, cache_dtype,
+                                   self.device, self.with_mtp, index_keys=index_keys)
+        if mode == "none":
+            return None
+        return DecodeGraphs(model, self.cache, mode, bucket_sizes(config.max_num_seqs), config.block_size,
+                            max_keys, scratch_block=num_blocks, backend=config.compile_backend)
 
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
@@ -89,14 +103,21 @@ class ModelRunner:
         result = RunnerOutput()
         if out.is_empty():
             return result
-        ids, meta = self.metadata([self._chunk(s) for s in out.scheduled])
-        if meta.pinned_rows is not None:
-            meta.expert_shadow = self.expert_shadow
-        rows = self._logit_rows(out, meta)
-        meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
-        fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
-        result.hidden, result.router_stats = fwd.hidden_states[0], fwd.router_stats
-        logits = fwd.logits[0].float()  # [M, V]
+        chunks = [self._chunk(s) for s in out.scheduled]
+        rows = self._logit_rows(out, [0, *itertools.accumulate(c.num_tokens for c in chunks)])
+        captured = self._captured(chunks, rows)
+        if captured is not None:  # a decode bucket (graphs.py): logits of every row, no hidden states
+            logits, result.router_stats = captured
+            meta = None
+        else:
+            ids, meta = self.metadata(chunks)
+            if meta.pinned_rows is not None:
+                meta.expert_shadow = self.expert_shadow
+            meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
+            fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
+            result.hidden, result.router_stats = fwd.hidden_states[0], fwd.router_stats
+            logits = fwd.logits[0]
+        logits = logits.float()  # [M, V]
         bad = self._nonfinite(logits, rows)
         if bad:  # those requests are aborted by the engine; the rest of the batch is sampled as usual
             result.nonfinite = bad
@@ -109,6 +130,16 @@ class ModelRunner:
         if self.proposer is not None:
             result.draft_token_ids = self.proposer.propose(out, meta, result.hidden, result.sampled)
         return result
+
+    def _captured(self, chunks: list[SeqChunk], rows: _Rows) -> tuple[torch.Tensor, list[dict]] | None:
+        """The step through a captured decode bucket when it is one: every chunk one token that samples
+        (logit row i = token i), no GLM 2D positions, no LoRA rows, no hot-swap shadow; else None (eager)."""
+        if self.graphs is None or self.expert_shadow is not None or rows.indices != list(range(len(chunks))):
+            return None
+        if any(c.num_tokens != 1 or c.position_ids is not None or c.block_position_ids is not None
+               or c.prefix_len or c.adapter_id >= 0 for c in chunks):
+            return None
+        return self.graphs.run(chunks)
 
     def _chunk(self, s: ScheduledRequest) -> SeqChunk:
         req = s.request
@@ -123,12 +154,12 @@ class ModelRunner:
         return chunk
 
     @staticmethod
-    def _logit_rows(out: ScheduleOutput, meta: AttnMetadata) -> _Rows:
+    def _logit_rows(out: ScheduleOutput, query_start: list[int]) -> _Rows:
         """Rows that need logits: prompt positions that predict a prompt token (prompt_logprobs), then the
-        last 1 + drafts positions of each chunk that samples."""
+        last 1 + drafts positions of each chunk that samples (query_start [C + 1]: flat chunk offsets)."""
         rows = _Rows()
         for i, s in enumerate(out.scheduled):
-            q0, q1 = meta.query_start[i], meta.query_start[i + 1]
+            q0, q1 = query_start[i], query_start[i + 1]
             if s.request.params.prompt_logprobs is not None:
                 last = min(s.start + s.num_tokens, s.request.num_prompt_tokens - 1)  # [start, last) predict
                 n = max(last - s.start, 0)
