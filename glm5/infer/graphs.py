@@ -154,7 +154,10 @@ class DecodeGraphs:
         if bucket is None:
             return None
         bucket.buffers.fill(chunks, self.block_size, self.scratch_block)
-        logits, idx = bucket.run()
+        try:
+            logits, idx = bucket.run()
+        except Exception as e:  # noqa: BLE001 (e.g. a recompile past the limit after a module swap)
+            return self._off(b, e)  # the eager step rewrites the same cache rows: the writes are idempotent
         self.num_steps += 1
         n = len(chunks)
         stats = [{"layer": layer, "tokens_per_expert": expert_counts(i[:n], self.model.config.n_routed_experts)}
@@ -169,14 +172,18 @@ class DecodeGraphs:
         try:
             run = self._compile(buf) if self.mode == "inductor" else self._capture(buf)
         except Exception as e:  # noqa: BLE001 (any build failure: the eager forward still serves the step)
-            self.disabled = f"{type(e).__name__}: {e}".splitlines()[0][:500]
-            log.warning("compile_decode=%r: building the decode step for bucket %d failed (%s); decode runs eagerly",
-                        self.mode, b, self.disabled)
-            return None
+            return self._off(b, e)
         self.compile_seconds[b] = time.perf_counter() - t
         log.info("compile_decode=%r: decode bucket %d built in %.1f s", self.mode, b, self.compile_seconds[b])
         self._built[b] = _Bucket(buf, run)
         return self._built[b]
+
+    def _off(self, b: int, error: Exception) -> None:
+        """Switch the captured path off for good (one warning); the caller runs the step eagerly."""
+        self.disabled = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        log.warning("compile_decode=%r: the decode step of bucket %d failed (%s); decode runs eagerly",
+                    self.mode, b, self.disabled)
+        return None
 
     def _step(self, buf: DecodeBuffers):
         return decode_step(self.model, self.cache, buf, self.num_keys, self.block_size)
