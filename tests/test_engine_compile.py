@@ -11,7 +11,7 @@ import torch
 
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
-from glm5.infer.graphs import DecodeBuffers, bucket_sizes, decode_step
+from glm5.infer.graphs import DecodeBuffers, DecodeGraphs, bucket_sizes, decode_step, key_bounds
 from glm5.infer.input_batch import SeqChunk, build_metadata
 from glm5.infer.sampling import SamplingParams
 from glm5.model.kv_cache import LatentKVCache
@@ -56,10 +56,29 @@ def bucket(chunks, rows: int = 4, device="cpu") -> DecodeBuffers:
     return buf
 
 
-def test_bucket_sizes():
+def test_bucket_sizes_and_key_bounds():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(8) == [1, 2, 4, 8]
     assert bucket_sizes(12) == [1, 2, 4, 8, 12]
+    assert key_bounds(40, 4) == [40]
+    assert key_bounds(1000, 16) == [256, 512, 1000]
+    assert key_bounds(40, 4, min_keys=7) == [8, 16, 32, 40]
+
+
+@torch.inference_mode()
+def test_buckets_by_rows_and_key_bound(model):
+    """Steps land in the smallest (rows, keys) bucket; each bucket's logits equal the eager step's."""
+    graphs = DecodeGraphs(model, filled_cache(model), "inductor", [1, 2, 4], BLOCK, KEYS, NUM_BLOCKS,
+                          backend="eager", min_keys=8)
+    ref_cache = filled_cache(model)
+    assert graphs.bucket_for(decode_chunks()[:2]) == (2, 16)
+    for chunks, key in ((decode_chunks(), (4, 16)), (decode_chunks()[1:2], (1, 8))):  # (a trace each: ~5 s)
+        assert graphs.bucket_for(chunks) == key
+        got, stats = graphs.run(chunks)
+        assert torch.allclose(got, eager_logits(model, ref_cache, chunks), atol=1e-5), key
+        assert len(stats) == len(model.config.moe_layers)
+    assert sorted(graphs.compile_seconds) == [(1, 8), (4, 16)] and graphs.disabled is None
+    assert graphs.bucket_for([SeqChunk("x", 0, [1], [1])] * 5) is None  # more rows than the largest bucket
 
 
 @torch.inference_mode()
@@ -136,7 +155,8 @@ def test_engine_captured_decode_equals_eager_engine(model, prompts, eager_tokens
     stats = e.get_stats()
     assert stats["decode_graph_steps"] > 0 and stats["decode_compile_disabled"] is None
     assert stats["decode_compiled_buckets"] and stats["decode_compile_s"] > 0
-    assert set(stats["decode_compiled_buckets"]) <= {1, 2, 4}
+    assert {rows for rows, _ in stats["decode_compiled_buckets"]} <= {1, 2, 4}
+    assert {keys for _, keys in stats["decode_compiled_buckets"]} == {KEYS}  # one key bound below 256 keys
     load = stats["expert_load"]  # padding rows are not counted: the same expert load as the eager engine
     assert load == engine_load(model, prompts)
 
@@ -171,7 +191,6 @@ def test_unsupported_experts_and_devices(model):
 @torch.inference_mode()
 def test_cuda_graph_replay_equals_eager_step(model):
     """bf16 (CUDA `_grouped_mm` runs bf16): the replayed graph against the same step run eagerly."""
-    from glm5.infer.graphs import DecodeGraphs
     from glm5.model.hf_adapter import cast_model
     m = cast_model(tiny_model(seed=3, bias_std=0.1, **MODEL_KW), torch.bfloat16).cuda()
     chunks = decode_chunks()

@@ -1,13 +1,14 @@
 """Captured decode: the model's own paged forward over static per-bucket buffers, compiled or graph-captured.
 
-A decode step (one new token per sequence) is padded to a batch-size bucket (1, 2, 4, 8, ... up to
-`max_num_seqs`): padding rows are token 0 at position 0 writing its KV row to a scratch block the block
-manager never hands out, and attending only that row. Each bucket owns persistent input buffers
-(`DecodeBuffers`: token ids, positions, slot mapping, block table, context lengths), allocated once and
-filled in place each step. `decode_step` derives the attention group's tensors (key slots, masks) from
-them with tensor ops, and runs `model(ids, attn_metadata=..., kv_cache=...)` with
-`AttnMetadata.static_shapes` set: keys are padded to the static bound `max_model_len` (+ draft tokens),
-no per-step Python lists of lengths, no host syncs, so the same call can be traced whole by
+A decode step (one new token per sequence) is padded to a bucket: a batch size (1, 2, 4, 8, ... up to
+`max_num_seqs`) and a static key bound (256 keys, doubling, up to `max_model_len` + draft tokens; the
+smallest that holds the step's longest context). Padding rows are token 0 at position 0 writing its KV row
+to a scratch block the block manager never hands out, and attending only that row. Each bucket owns
+persistent input buffers (`DecodeBuffers`: token ids, positions, slot mapping, block table, context
+lengths), allocated once and filled in place each step. `decode_step` derives the attention group's
+tensors (key slots, masks) from them with tensor ops, and runs `model(ids, attn_metadata=...,
+kv_cache=...)` with `AttnMetadata.static_shapes` set: keys padded to the bucket's bound and masked, no
+per-step Python lists of lengths, no host syncs, so the same call can be traced whole by
 `torch.compile(fullgraph=True)` or recorded into a `torch.cuda.CUDAGraph` and replayed.
 
 `DecodeGraphs` (owned by the runner) holds one compiled callable or CUDA graph per bucket, built on
@@ -109,22 +110,38 @@ class _Bucket:
     run: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]  # the compiled step, or a graph replay
 
 
+# The smallest static key bound of a bucket; bounds double from it up to max_model_len (+ drafts), so a
+# decode row attends at most twice its context's keys (masked) past this, instead of max_model_len's.
+MIN_BUCKET_KEYS = 256
+
+
+def key_bounds(num_keys: int, block_size: int, min_keys: int = MIN_BUCKET_KEYS) -> list[int]:
+    """Static key bounds of the buckets: min_keys (in whole blocks), doubling, then num_keys itself."""
+    bounds, k = [], -(-min_keys // block_size) * block_size
+    while k < num_keys:
+        bounds.append(k)
+        k *= 2
+    return bounds + [num_keys]
+
+
 @dataclass
 class DecodeGraphs:
-    """Compiled / CUDA-graph decode steps per batch-size bucket, built on first use (see the module doc)."""
+    """Compiled / CUDA-graph decode steps per (batch size, key bound) bucket, built on first use (see the
+    module doc)."""
 
     model: GLM5ForCausalLM
     cache: LatentKVCache
     mode: CompileMode  # "inductor" (torch.compile, any device) or "cuda_graphs" (CUDA graph of the eager step)
-    buckets: list[int]
+    buckets: list[int]  # batch sizes
     block_size: int
-    num_keys: int  # S: the static key bound (max_model_len + draft tokens)
+    num_keys: int  # the largest static key bound (max_model_len + draft tokens)
     scratch_block: int  # a cache block outside the block manager's pool (dummy rows write there)
     backend: str = "inductor"  # torch.compile backend (mode "inductor")
-    compile_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> seconds to compile / capture
+    min_keys: int = MIN_BUCKET_KEYS  # the smallest key bound (see key_bounds)
+    compile_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, keys) -> build seconds
     num_steps: int = 0  # steps run through a bucket
     disabled: str | None = None  # why the captured path was switched off (a build failure), else None
-    _built: dict[int, _Bucket] = field(default_factory=dict)
+    _built: dict[tuple[int, int], _Bucket] = field(default_factory=dict)
     _compiled: Callable | None = None
 
     def __post_init__(self):
@@ -132,82 +149,84 @@ class DecodeGraphs:
             raise ValueError(f"compile_decode: unknown mode {self.mode!r}; choose none, inductor or cuda_graphs")
         if self.mode == "cuda_graphs" and self.cache.latent[0].device.type != "cuda":
             raise ValueError("compile_decode='cuda_graphs' needs a CUDA device; on CPU use 'inductor'")
+        self.key_buckets = key_bounds(self.num_keys, self.block_size, self.min_keys)
         reason = unsupported(self.model)
         if reason:  # the documented fallback: eager, one warning, the reason in the engine's stats
             self.disabled = reason
             log.warning("compile_decode=%r is off: %s", self.mode, reason)
 
-    @property
-    def width(self) -> int:
-        return -(-self.num_keys // self.block_size)
-
-    def bucket_for(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+    def bucket_for(self, chunks: list[SeqChunk]) -> tuple[int, int] | None:
+        """(rows, key bound) of the smallest bucket that holds the step, or None."""
+        rows = next((b for b in self.buckets if b >= len(chunks)), None)
+        need = max(c.context_len for c in chunks)
+        keys = next((k for k in self.key_buckets if k >= need), None)
+        return None if rows is None or keys is None else (rows, keys)
 
     def run(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, list[dict]] | None:
         """(logits [n, V], router stats per MoE layer) for a step of single-token decode chunks, or None
         when no bucket takes it (too many rows, or the path is off): the caller then runs it eagerly."""
-        b = self.bucket_for(len(chunks))
-        if self.disabled is not None or b is None:
+        key = self.bucket_for(chunks)
+        if self.disabled is not None or key is None:
             return None
-        bucket = self._built.get(b) or self._build(b, chunks)
+        bucket = self._built.get(key) or self._build(key, chunks)
         if bucket is None:
             return None
         bucket.buffers.fill(chunks, self.block_size, self.scratch_block)
         try:
             logits, idx = bucket.run()
         except Exception as e:  # noqa: BLE001 (e.g. a recompile past the limit after a module swap)
-            return self._off(b, e)  # the eager step rewrites the same cache rows: the writes are idempotent
+            return self._off(key, e)  # the eager step rewrites the same cache rows: the writes are idempotent
         self.num_steps += 1
         n = len(chunks)
         stats = [{"layer": layer, "tokens_per_expert": expert_counts(i[:n], self.model.config.n_routed_experts)}
                  for layer, i in zip(self.model.config.moe_layers, idx)]
         return logits[:n], stats
 
-    def _build(self, b: int, chunks: list[SeqChunk]) -> _Bucket | None:
-        """Compile (or capture) bucket b, running it once on this step's rows; None and off on failure."""
-        buf = DecodeBuffers.allocate(b, self.width, self.cache.latent[0].device)
+    def _build(self, key: tuple[int, int], chunks: list[SeqChunk]) -> _Bucket | None:
+        """Compile (or capture) bucket (rows, keys), running it once on this step's rows; None and off on
+        failure."""
+        rows, keys = key
+        buf = DecodeBuffers.allocate(rows, -(-keys // self.block_size), self.cache.latent[0].device)
         buf.fill(chunks, self.block_size, self.scratch_block)
         t = time.perf_counter()
         try:
-            run = self._compile(buf) if self.mode == "inductor" else self._capture(buf)
+            run = self._compile(buf, keys) if self.mode == "inductor" else self._capture(buf, keys)
         except Exception as e:  # noqa: BLE001 (any build failure: the eager forward still serves the step)
-            return self._off(b, e)
-        self.compile_seconds[b] = time.perf_counter() - t
-        log.info("compile_decode=%r: decode bucket %d built in %.1f s", self.mode, b, self.compile_seconds[b])
-        self._built[b] = _Bucket(buf, run)
-        return self._built[b]
+            return self._off(key, e)
+        self.compile_seconds[key] = time.perf_counter() - t
+        log.info("compile_decode=%r: decode bucket of %d rows x %d keys built in %.1f s", self.mode, rows, keys,
+                 self.compile_seconds[key])
+        self._built[key] = _Bucket(buf, run)
+        return self._built[key]
 
-    def _off(self, b: int, error: Exception) -> None:
+    def _off(self, key: tuple[int, int], error: Exception) -> None:
         """Switch the captured path off for good (one warning); the caller runs the step eagerly."""
         self.disabled = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        log.warning("compile_decode=%r: the decode step of bucket %d failed (%s); decode runs eagerly",
-                    self.mode, b, self.disabled)
+        log.warning("compile_decode=%r: the decode step of bucket %s (rows, keys) failed (%s); decode runs "
+                    "eagerly", self.mode, key, self.disabled)
         return None
 
-    def _step(self, buf: DecodeBuffers):
-        return decode_step(self.model, self.cache, buf, self.num_keys, self.block_size)
-
-    def _compile(self, buf: DecodeBuffers) -> Callable:
+    def _compile(self, buf: DecodeBuffers, keys: int) -> Callable:
         if self._compiled is None:
             self._compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, backend=self.backend)
-        fn = self._compiled
-        # one cache entry per bucket: allow as many as there are buckets (scoped to this first call)
-        with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets) + 1)):
-            fn(self.model, self.cache, buf, self.num_keys, self.block_size)  # compiles (and runs the step)
-        return lambda: fn(self.model, self.cache, buf, self.num_keys, self.block_size)
+        fn, args = self._compiled, (self.model, self.cache, buf, keys, self.block_size)
+        # one dynamo cache entry per bucket: allow as many as there can be (scoped to this compiling call)
+        with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets) * len(self.key_buckets) + 1)):
+            fn(*args)  # compiles (and runs the step)
+        return lambda: fn(*args)
 
-    def _capture(self, buf: DecodeBuffers) -> Callable:
+    def _capture(self, buf: DecodeBuffers, keys: int) -> Callable:
         """Warm up on a side stream (allocator, lazy init), then record the step; replays reuse `buf`'s
         storage and the graph's own output tensors (read them before the next replay)."""
+        args = (self.model, self.cache, buf, keys, self.block_size)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step(buf)
+            decode_step(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self._step(buf)
+            out = decode_step(*args)
 
         def replay():
             graph.replay()
@@ -216,7 +235,8 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         return {"decode_compile_mode": self.mode, "decode_compile_s": round(sum(self.compile_seconds.values()), 3),
-                "decode_compiled_buckets": sorted(self.compile_seconds), "decode_graph_steps": self.num_steps,
+                "decode_compiled_buckets": [list(k) for k in sorted(self.compile_seconds)],
+                "decode_graph_steps": self.num_steps,
                 "decode_compile_disabled": self.disabled}
 
 
