@@ -178,10 +178,12 @@ def test_build_failure_falls_back_to_eager_with_one_warning(model, prompts, eage
 
 
 def test_unsupported_experts_and_devices(model):
-    e = engine(model, compile_decode="inductor", quantization="int8")
+    e = engine(tiny_model(seed=3, **MODEL_KW), compile_decode="inductor", quantization="int8")  # (quantizes it)
     assert "routed experts" in e.get_stats()["decode_compile_disabled"]
     assert e.runner.graphs.run(decode_chunks()) is None
     assert engine(model, compile_decode="inductor", enforce_eager=True).runner.graphs is None
+    auto = engine(model, compile_decode="inductor", kernels="auto")  # auto: the PyTorch kernels, so it is on
+    assert auto.kernels is None and auto.get_stats()["decode_compile_disabled"] is None
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda_graphs.*CUDA"):
             engine(model, compile_decode="cuda_graphs")

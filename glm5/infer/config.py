@@ -55,7 +55,8 @@ class EngineConfig:
     # (1, 2, 4, ... max_num_seqs) run the model's forward compiled by torch.compile(fullgraph=True)
     # ("inductor", any device) or replayed from a CUDA graph of it ("cuda_graphs", CUDA only); "none" =
     # eager. Prefill, mixed, speculative and LoRA steps run eagerly; a failed build falls back to eager
-    # with one warning. Needs plain routed experts (no INT8, offload or native expert kernel)
+    # with one warning. Needs plain routed experts (no INT8, offload or native expert kernel): with it,
+    # kernels="auto" means the PyTorch kernels
     compile_decode: Literal["none", "inductor", "cuda_graphs"] = "none"
     compile_backend: str = "inductor"  # torch.compile backend of compile_decode="inductor" ("aot_eager": debugging)
     enforce_eager: bool = False  # vLLM's switch: True runs every step eagerly whatever compile_decode says

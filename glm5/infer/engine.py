@@ -163,6 +163,10 @@ class LLMEngine:
         c = self.config
         if c.kernels == "torch":
             return None
+        if c.kernels == "auto" and c.compile_decode != "none" and not c.enforce_eager:
+            # the captured decode traces the PyTorch modules; the native ones would switch it off
+            log.info("compile_decode=%r: kernels='auto' runs the PyTorch kernels", c.compile_decode)
+            return None
         if torch.device(c.device).type != "cpu":
             if c.kernels == "native":
                 raise ValueError(f"kernels='native' runs on CPU only, not on device {c.device!r}; use 'auto' or 'torch'")
