@@ -204,3 +204,18 @@ def test_cuda_graph_replay_equals_eager_step(model):
     assert torch.allclose(got.float(), ref, atol=2e-2), (got.float() - ref).abs().max()
     again, _ = graphs.run(chunks)  # a second replay over the refilled buffers (the cache rows are rewritten)
     assert torch.allclose(again.float(), ref, atol=2e-2) and graphs.num_steps == 2
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "glm4_moe_lite"])
+@torch.inference_mode()
+def test_other_architectures_step_equals_eager_and_traces_whole(arch):
+    """GLM-4.5-style GQA (paged [k | v] rows) and GLM-4.7-Flash-style MLA without the indexer."""
+    from .test_engine_glm4 import ARCHS
+    from .test_hf_glm4 import _model
+    m = _model({**ARCHS[arch], "num_nextn_predict_layers": 0}, seed=7).eval()
+    chunks = decode_chunks()
+    ref = eager_logits(m, filled_cache(m), chunks)
+    got = decode_step(m, filled_cache(m), bucket(chunks), KEYS, BLOCK)[0][:3]
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    explained = torch._dynamo.explain(decode_step)(m, filled_cache(m), bucket(chunks), KEYS, BLOCK)
+    assert explained.graph_break_count == 0, explained.break_reasons

@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -37,7 +38,7 @@ from .input_batch import SeqChunk
 
 log = logging.getLogger(__name__)
 
-CompileMode = str  # EngineConfig.compile: "none" | "inductor" | "cuda_graphs"
+CompileMode = Literal["inductor", "cuda_graphs"]  # EngineConfig.compile_decode when it is not "none"
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -141,6 +142,7 @@ class DecodeGraphs:
     compile_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, keys) -> build seconds
     num_steps: int = 0  # steps run through a bucket
     disabled: str | None = None  # why the captured path was switched off (a build failure), else None
+    key_buckets: list[int] = field(init=False)  # the static key bounds (key_bounds)
     _built: dict[tuple[int, int], _Bucket] = field(default_factory=dict)
     _compiled: Callable | None = None
 
