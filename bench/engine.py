@@ -238,7 +238,8 @@ def bench_compile(model, args) -> None:
             st = engines["compiled"].get_stats()
             record(f"compiled_decode_{kernels}_batch{batch}", kernels=kernels, batch=batch, prompt_len=64,
                    new_tokens=args.decode_tokens, max_model_len=256, eager_tok_s=median(res["eager"], 0),
-                   compiled_tok_s=median(res["compiled"], 0), ratio=ratio_stats(res["compiled"], res["eager"], 0),
+                   compiled_tok_s=median(res["compiled"], 0), eager_tok_per_cpu_s=median(res["eager"], 1),
+                   compiled_tok_per_cpu_s=median(res["compiled"], 1), ratio=ratio_stats(res["compiled"], res["eager"], 0),
                    ratio_cpu=ratio_stats(res["compiled"], res["eager"], 1), compile_s=st["decode_compile_s"],
                    buckets=st["decode_compiled_buckets"], compiled_steps=st["decode_graph_steps"],
                    disabled=st["decode_compile_disabled"], load_avg=os.getloadavg())
