@@ -212,8 +212,9 @@ class DecodeGraphs:
         if self._compiled is None:
             self._compiled = torch.compile(decode_step, fullgraph=True, dynamic=False, backend=self.backend)
         fn, args = self._compiled, (self.model, self.cache, buf, keys, self.block_size)
-        # one dynamo cache entry per bucket: allow as many as there can be (scoped to this compiling call)
-        with torch._dynamo.config.patch(recompile_limit=max(8, len(self.buckets) * len(self.key_buckets) + 1)):
+        # one dynamo cache entry per bucket, on decode_step's code object: shared by every engine of the
+        # process, so the default limit (8) is lifted for this compiling call only
+        with torch._dynamo.config.patch(recompile_limit=1024):
             fn(*args)  # compiles (and runs the step)
         return lambda: fn(*args)
 
