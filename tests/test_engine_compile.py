@@ -219,3 +219,12 @@ def test_other_architectures_step_equals_eager_and_traces_whole(arch):
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
     explained = torch._dynamo.explain(decode_step)(m, filled_cache(m), bucket(chunks), KEYS, BLOCK)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_lora_slots_base_rows_still_captured(model, prompts, eager_tokens):
+    """With multi-LoRA slots (swapped LoRA modules, no adapter rows in these steps) the step still traces
+    whole and serves the eager engine's tokens; steps with adapter rows run eagerly (runner._captured)."""
+    e = engine(model, compile_decode="inductor", compile_backend="eager", max_loras=1)
+    assert greedy(e, prompts) == eager_tokens
+    stats = e.get_stats()
+    assert stats["decode_graph_steps"] > 0 and stats["decode_compile_disabled"] is None
