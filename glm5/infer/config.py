@@ -54,7 +54,8 @@ class EngineConfig:
     # captured decode (glm5/infer/graphs.py): steps of single-token decodes padded to a batch-size bucket
     # (1, 2, 4, ... max_num_seqs) run the model's forward compiled by torch.compile(fullgraph=True)
     # ("inductor", any device) or replayed from a CUDA graph of it ("cuda_graphs", CUDA only); "none" =
-    # eager. Prefill, mixed, speculative and LoRA steps run eagerly; a failed build falls back to eager
+    # eager. Prefill, mixed and LoRA steps run eagerly, and every step under MTP speculation (a warning);
+    # a failed build falls back to eager
     # with one warning. Needs plain routed experts (no INT8, offload or native expert kernel): with it,
     # kernels="auto" means the PyTorch kernels
     compile_decode: Literal["none", "inductor", "cuda_graphs"] = "none"

@@ -163,7 +163,7 @@ class LLMEngine:
         c = self.config
         if c.kernels == "torch":
             return None
-        if c.kernels == "auto" and c.compile_decode != "none" and not c.enforce_eager:
+        if c.kernels == "auto" and c.compile_decode != "none" and not c.enforce_eager and not c.speculative_num_tokens:
             # the captured decode traces the PyTorch modules; the native ones would switch it off
             log.info("compile_decode=%r: kernels='auto' runs the PyTorch kernels", c.compile_decode)
             return None

@@ -12,6 +12,7 @@ Dims: N flat tokens, H hidden, V vocab, M logit rows.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,8 @@ from .input_batch import SeqChunk, build_metadata
 from .outputs import PositionLogprobs
 from .sampling import Sampler, logprobs_of, position_logprobs, requested_logprobs, with_requested
 from .scheduler import ScheduleOutput, ScheduledRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,7 +72,18 @@ class ModelRunner:
         # no indexer keys when no request can outgrow the top-k (every key is attended; e.g. max_model_len
         # <= index_topk): the projection, RoPE and cache write of the indexer key are skipped on every layer
         max_keys = (config.max_model_len or self.cfg.max_position_embeddings) + config.speculative_num_tokens
-        self.graphs = self._decode_graphs(model, config, num_blocks, max_keys, cache_dtype)
+        mode = "none" if config.enforce_eager or self.with_mtp else config.compile_decode
+        if self.with_mtp and config.compile_decode != "none" and not config.enforce_eager:
+            # every step verifies drafts (and the proposer reads the step's hidden states): none is a decode
+            log.warning("compile_decode=%r has no effect with speculative decoding (speculative_num_tokens > 0)",
+                        config.compile_decode)
+        # a captured decode (graphs.py) gets one block more: the scratch block its padding rows write to,
+        # outside the block manager's pool (ids 0..num_blocks-1)
+        self.cache = LatentKVCache(self.cfg, num_blocks + (mode != "none"), config.block_size, cache_dtype,
+                                   self.device, self.with_mtp, index_keys=selection_possible(self.cfg, max_keys))
+        self.graphs = None if mode == "none" else DecodeGraphs(
+            model, self.cache, mode, bucket_sizes(config.max_num_seqs), config.block_size, max_keys,
+            scratch_block=num_blocks, backend=config.compile_backend)
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.expert_shadow: ExpertShadow | None = None  # set by the engine while requests run on an older version
         self.proposer = None
@@ -77,19 +91,6 @@ class ModelRunner:
             from .mtp import MTPProposer  # noqa: PLC0415 (only when speculation is on)
             self.proposer = MTPProposer(self, config.speculative_num_tokens,
                                          (config.prompt_lookup_min, config.prompt_lookup_max))
-
-    def _decode_graphs(self, model, config: EngineConfig, num_blocks: int, max_keys: int,
-                       cache_dtype: torch.dtype) -> DecodeGraphs | None:
-        """Allocate the KV cache; with a captured decode (`compile_decode`), one block more: the scratch block
-        its padding rows write to, outside the block manager's pool (ids 0..num_blocks-1)."""
-        mode = "none" if config.enforce_eager or self.with_mtp else config.compile_decode
-        index_keys = selection_possible(self.cfg, max_keys)
-        self.cache = LatentKVCache(self.cfg, num_blocks + (mode != "none"), config.block_size, cache_dtype,
-                                   self.device, self.with_mtp, index_keys=index_keys)
-        if mode == "none":
-            return None
-        return DecodeGraphs(model, self.cache, mode, bucket_sizes(config.max_num_seqs), config.block_size,
-                            max_keys, scratch_block=num_blocks, backend=config.compile_backend)
 
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
