@@ -239,7 +239,8 @@ def bench_compile(model, args) -> None:
             record(f"compiled_decode_{kernels}_batch{batch}", kernels=kernels, batch=batch, prompt_len=64,
                    new_tokens=args.decode_tokens, max_model_len=256, eager_tok_s=median(res["eager"], 0),
                    compiled_tok_s=median(res["compiled"], 0), eager_tok_per_cpu_s=median(res["eager"], 1),
-                   compiled_tok_per_cpu_s=median(res["compiled"], 1), ratio=ratio_stats(res["compiled"], res["eager"], 0),
+                   compiled_tok_per_cpu_s=median(res["compiled"], 1),
+                   ratio=ratio_stats(res["compiled"], res["eager"], 0),
                    ratio_cpu=ratio_stats(res["compiled"], res["eager"], 1), compile_s=st["decode_compile_s"],
                    buckets=st["decode_compiled_buckets"], compiled_steps=st["decode_graph_steps"],
                    disabled=st["decode_compile_disabled"], load_avg=os.getloadavg())
@@ -451,7 +452,8 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--arch", choices=list(ARCHS), default="glm_moe_dsa", help="the model family member to bench")
     p.add_argument("--compile", action="store_true",
-                   help="also measure compiled (compile_decode=inductor) vs eager decode at batch 1 and 8 (= --only compile)")
+                   help="also measure compiled (compile_decode=inductor) vs eager decode at batch 1 and 8 "
+                        "(= --only compile)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     q = args.quick
