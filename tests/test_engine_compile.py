@@ -167,6 +167,16 @@ def engine_load(model, prompts) -> dict:
     return e.get_stats()["expert_load"]
 
 
+@pytest.mark.slow
+def test_inductor_engine_equals_eager_engine(model, prompts, eager_tokens):
+    """Inductor's code (its in-place cache writes included: later steps read them) over whole requests:
+    one compile per bucket the steps reach (~30-60 s each here)."""
+    e = engine(model, compile_decode="inductor")
+    assert greedy(e, prompts) == eager_tokens
+    stats = e.get_stats()
+    assert stats["decode_graph_steps"] > 0 and stats["decode_compile_disabled"] is None
+
+
 def test_build_failure_falls_back_to_eager_with_one_warning(model, prompts, eager_tokens, caplog):
     e = engine(model, compile_decode="inductor", compile_backend="no_such_backend")
     with caplog.at_level(logging.WARNING, logger="glm5.infer.graphs"):
