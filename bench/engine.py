@@ -3,6 +3,7 @@
     python bench/engine.py                 # everything, numbers as JSON lines + a markdown summary
     python bench/engine.py --quick         # smaller workload (smoke run)
     python bench/engine.py --arch glm4_moe --only offline single   # the same sizes as GLM-4.5-style GQA
+    python bench/engine.py --compile --quick   # compiled (torch.compile) vs eager decode, batch 1 and 8
 
 Measures, in one run: offline throughput for N prompts of mixed lengths (glm5 LLMEngine vs transformers
 `generate` batched with left padding), single-stream decode tokens/s (glm5 vs transformers; also past
@@ -206,6 +207,43 @@ def bench_single_stream(model, hf, args) -> None:
            glm5_tok_per_cpu_s=median(ours, 1), hf_tok_per_cpu_s=median(theirs, 1),
            ratio_cpu=ratio_stats(ours, theirs, 1))
     RESULTS["_fp32_decode"] = (median(ours, 0), median(ours, 1))
+
+
+def batch_decode_tok_s(engine: LLMEngine, prompts, n: int) -> tuple[float, float]:
+    """n decode steps of len(prompts) sequences on `engine`, timed after the step that prefills them all."""
+    params = SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"c{i}-{time.perf_counter()}", prompt_token_ids=p, params=params)
+    engine.step()  # every prompt fits one step's token budget: prefill + first tokens
+    t0 = stamp()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return rate(n * len(prompts), t0, stamp())
+
+
+def bench_compile(model, args) -> None:
+    """Captured decode (EngineConfig.compile_decode="inductor": torch.compile(fullgraph=True) of the model's
+    paged forward per batch bucket) vs eager, decode tok/s at batch 1 and 8, same engine options; the
+    compiled engine builds its bucket in a warm-up run first (its build seconds are reported). Keys are
+    padded to max_model_len (256 here) in the compiled step; the eager one attends each step's own keys."""
+    for kernels in ("torch", "native"):
+        for batch in (1, 8):
+            prompts = workload(batch, 64, 64, seed=4)
+            engines = {"eager": engine_for(model, kernels=kernels, max_model_len=256),
+                       "compiled": engine_for(model, kernels=kernels, max_model_len=256, compile_decode="inductor")}
+            for e in engines.values():  # warm-up: first calls, the compiled engine's bucket build
+                batch_decode_tok_s(e, prompts, 2)
+            res = alternate({k: (lambda e=e: batch_decode_tok_s(e, prompts, args.decode_tokens))
+                             for k, e in engines.items()}, max(1, args.rounds - 2))
+            st = engines["compiled"].get_stats()
+            record(f"compiled_decode_{kernels}_batch{batch}", kernels=kernels, batch=batch, prompt_len=64,
+                   new_tokens=args.decode_tokens, max_model_len=256, eager_tok_s=median(res["eager"], 0),
+                   compiled_tok_s=median(res["compiled"], 0), eager_tok_per_cpu_s=median(res["eager"], 1),
+                   compiled_tok_per_cpu_s=median(res["compiled"], 1),
+                   ratio=ratio_stats(res["compiled"], res["eager"], 0),
+                   ratio_cpu=ratio_stats(res["compiled"], res["eager"], 1), compile_s=st["decode_compile_s"],
+                   buckets=st["decode_compiled_buckets"], compiled_steps=st["decode_graph_steps"],
+                   disabled=st["decode_compile_disabled"], load_avg=os.getloadavg())
 
 
 def bench_long_decode(model, hf, args) -> None:
@@ -413,6 +451,9 @@ def main() -> None:
     p.add_argument("--train", default="runs/data/tokens/train")
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--arch", choices=list(ARCHS), default="glm_moe_dsa", help="the model family member to bench")
+    p.add_argument("--compile", action="store_true",
+                   help="also measure compiled (compile_decode=inductor) vs eager decode at batch 1 and 8 "
+                        "(= --only compile)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     q = args.quick
@@ -424,7 +465,11 @@ def main() -> None:
     print(json.dumps({"threads": args.threads, "load_avg": os.getloadavg(), "torch": torch.__version__}))
     model = build(args.ckpt, args.arch)
     only = set(args.only or ["kv", "tiny32", "sessions", "single", "long", "offline", "int8", "offload", "bandwidth"])
+    if args.compile:
+        only = {"compile"} | set(args.only or [])
     hf = hf_model(args.ckpt) if only & {"single", "long", "offline"} else None
+    if "compile" in only:
+        bench_compile(model, args)
     if "kv" in only:
         bench_kv(model)
     if "tiny32" in only:

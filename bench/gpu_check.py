@@ -6,13 +6,15 @@ one H200, no network, a fresh copy of this repository with torch installed).
 
 Sections, in order (each in its own try/except; one that no longer fits the time budget is skipped and
 says so):
-  env     versions, the GPU, whether glm5's engine has a CUDA-graph path (it reads `enforce_eager`)
+  env     versions, the GPU, whether glm5's engine has a CUDA-graph path (it reads `compile_decode`)
   peak    the measured bf16 matmul peak (8192^3 on CUDA), the denominator of every MFU here
   tests   `python -m pytest -q -m gpu` on the test files holding `gpu`-marked tests: pass/fail counts
   engine  bf16 `small` preset (random weights, a checkpoint in a temp dir, both peers load it): offline
           throughput for 64 mixed-length prompts and single-stream decode tok/s, glm5 LLMEngine vs
-          transformers `generate` (sdpa, bf16) on the same GPU; with enforce_eager true and false when the
-          engine has a graph path (bench/engine.py's measurements, run on CUDA)
+          transformers `generate` (sdpa, bf16) on the same GPU (bench/engine.py's measurements, run on CUDA)
+  graphs  the captured decode step (glm5/infer/graphs.py): one bucket's logits replayed from a CUDA graph and
+          compiled by torch.compile vs the same step eagerly; decode tok/s at batch 1 and 8, engines with
+          compile_decode none / inductor / cuda_graphs, and their build seconds
   train   one training step on CUDA, bf16 autocast + fp32 masters: glm5 Trainer, glm5's model in a plain
           loop and transformers' GlmMoeDsaForCausalLM in the same loop, each in its own process
           (bench/train.py's children): tokens/s, Trainer / transformers (issue 15 target >= 2x), MFU
@@ -46,8 +48,8 @@ sys.path.insert(0, str(ROOT))  # the checkout's glm5, also where it is not pip-i
 import torch  # noqa: E402
 
 # seconds each section is expected to need on the GPU machine (a section starts only if that much is left)
-ESTIMATE_S = {"env": 5, "peak": 10, "tests": 60, "engine": 150, "train": 150}
-QUICK_ESTIMATE_S = {"env": 1, "peak": 1, "tests": 20, "engine": 20, "train": 40}
+ESTIMATE_S = {"env": 5, "peak": 10, "tests": 60, "engine": 150, "graphs": 200, "train": 150}
+QUICK_ESTIMATE_S = {"env": 1, "peak": 1, "tests": 20, "engine": 20, "graphs": 20, "train": 40}
 
 
 def load_bench(name: str) -> types.ModuleType:
@@ -138,13 +140,13 @@ def summary(rows: list[dict], args) -> str:
 # ---- sections ---------------------------------------------------------------------------------------------
 def graph_path() -> tuple[bool, str]:
     """Does glm5's engine have a CUDA-graph (or compiled) decode, i.e. does any module besides the config
-    read `enforce_eager`? Decided from the source so that this script follows the engine as it changes."""
+    read `compile_decode`? Decided from the source so that this script follows the engine as it changes."""
     infer = ROOT / "glm5" / "infer"
-    users = sorted(p.name for p in infer.glob("*.py") if p.name != "config.py" and "enforce_eager" in p.read_text())
+    users = sorted(p.name for p in infer.glob("*.py") if p.name != "config.py" and "compile_decode" in p.read_text())
     if users:
-        return True, f"enforce_eager read in glm5/infer/{', '.join(users)}"
-    return False, ("no CUDA-graph path: EngineConfig.enforce_eager exists but nothing in glm5/infer reads it, "
-                   "so the engine runs eagerly either way (measured once)")
+        return True, (f"compile_decode read in glm5/infer/{', '.join(users)}: the `graphs` section measures "
+                      "eager vs inductor vs cuda_graphs decode")
+    return False, "no CUDA-graph path: nothing in glm5/infer reads compile_decode, the engine runs eagerly"
 
 
 def env_section(run: Run) -> None:
@@ -246,8 +248,7 @@ def engine_section(run: Run) -> None:
     dtype = torch.bfloat16 if cuda else torch.float32  # fp32 on CPU: the engine computes in fp32 there
     preset, overrides = ("tiny", {"num_hidden_layers": 2}) if a.quick else ("small", {})
     n_prompts, lo, hi, max_tokens, decode_tokens, rounds = (8, 8, 32, 4, 4, 1) if a.quick else (64, 16, 256, 32, 64, 3)
-    has_graphs, _ = graph_path()
-    variants = {"eager": {"enforce_eager": True}, "graphs": {"enforce_eager": False}} if has_graphs else {"": {}}
+    variants = {"": {}}  # the engine's default (eager); compiled and graph decode: the `graphs` section
     with tempfile.TemporaryDirectory() as ckpt:
         torch.manual_seed(0)
         save_pretrained(GLM5ForCausalLM(ModelConfig.from_preset(preset, **overrides)).init_weights(0), ckpt)
@@ -293,6 +294,80 @@ def engine_section(run: Run) -> None:
         run.record("engine", "single_stream_decode", **row)
     else:
         run.record("engine", "single_stream_decode", skipped=f"time budget ({run.left():.0f} s left)")
+
+
+def graphs_section(run: Run) -> None:
+    """The captured decode step (glm5/infer/graphs.py): logits of one bucket (8 decode rows of different
+    lengths over a cache of random rows) replayed from a CUDA graph and compiled by torch.compile, each
+    against the same step run eagerly; then decode tok/s at batch 1 and 8 for engines with compile_decode
+    none / inductor / cuda_graphs (build seconds from the engine's stats). The CPU dry run compiles with
+    dynamo's `eager` backend (the whole trace, no code generation) and has no CUDA-graph mode."""
+    from glm5.infer.graphs import DecodeBuffers, DecodeGraphs, decode_step
+    from glm5.infer.input_batch import SeqChunk
+    from glm5.model.config import ModelConfig
+    from glm5.model.hf_adapter import cast_model
+    from glm5.model.kv_cache import LatentKVCache
+    from glm5.model.model import GLM5ForCausalLM
+    be = load_bench("engine")
+    a, dev = run.args, run.args.device
+    cuda = dev == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    preset, overrides = ("tiny", {"num_hidden_layers": 2}) if a.quick else ("small", {})
+    backend = "inductor" if cuda else "eager"
+    modes = {"inductor": {"compile_decode": "inductor", "compile_backend": backend}}
+    if cuda:
+        modes["cuda_graphs"] = {"compile_decode": "cuda_graphs"}
+    torch.manual_seed(0)
+    model = cast_model(GLM5ForCausalLM(ModelConfig.from_preset(preset, **overrides)).init_weights(0), dtype)
+    model = model.to(dev).eval()
+    block, keys, blocks = 16, 256, 96
+    # 8 decode rows of 9, 32, ..., 170 keys, each on its own blocks (11 ids apart)
+    chunks = [SeqChunk(f"s{i}", 8 + 23 * i, [100 + i], list(range(1 + 11 * i, 1 + 11 * i - (-(9 + 23 * i) // block))))
+              for i in range(8)]
+
+    def cache() -> LatentKVCache:
+        c = LatentKVCache(model.config, blocks + 1, block, dtype=dtype, device=dev)
+        g = torch.Generator().manual_seed(1)
+        for t in c.latent + [k for k in c.index_k if k is not None]:
+            t.copy_(torch.randn(t.shape, generator=g))
+        return c
+
+    with torch.inference_mode():
+        buf = DecodeBuffers.allocate(8, keys // block, torch.device(dev))
+        buf.fill(chunks, block, blocks)
+        ref = decode_step(model, cache(), buf, keys, block)[0].float()
+        for mode in modes:
+            graphs = DecodeGraphs(model, cache(), mode, [8], block, keys, blocks, backend=backend)
+            got = graphs.run(chunks)
+            if got is None:
+                run.record("graphs", f"step_{mode}", error=graphs.disabled)
+                continue
+            got = got[0].float()
+            run.record("graphs", f"step_{mode}", bucket=8, dtype=str(dtype), backend=backend if mode == "inductor"
+                       else None, max_abs_diff=(got - ref).abs().max().item(),
+                       greedy_agree=f"{int((got.argmax(-1) == ref.argmax(-1)).sum())}/8",
+                       build_s=round(sum(graphs.compile_seconds.values()), 2))
+    del buf
+    n = 2 if a.quick else 32
+    for batch in (1, 8):
+        if run.left() < 30:
+            run.record("graphs", f"decode_batch{batch}", skipped=f"time budget ({run.left():.0f} s left)")
+            continue
+        prompts = be.workload(batch, 64, 64, seed=4)
+        opts = dict(device=dev, max_model_len=keys, kernels="torch")  # the captured path needs plain experts
+        engines = {"eager": be.engine_for(model, **opts)}
+        engines |= {m: be.engine_for(model, **opts, **kw) for m, kw in modes.items()}
+        for e in engines.values():  # warm-up: CUDA kernels, the bucket's build
+            be.batch_decode_tok_s(e, prompts, 2)
+        row = dict(batch=batch, new_tokens=n, prompt_len=64, preset=preset, dtype=str(dtype))
+        for m, e in engines.items():
+            row[f"{m}_tok_s"] = be.batch_decode_tok_s(e, prompts, n)[0]
+            if m != "eager":
+                st = e.get_stats()
+                row[f"{m}_build_s"], row[f"{m}_steps"] = st["decode_compile_s"], st["decode_graph_steps"]
+                row[f"{m}_disabled"] = st["decode_compile_disabled"]
+                row[f"{m}_vs_eager"] = row[f"{m}_tok_s"] / row["eager_tok_s"]
+        run.record("graphs", f"decode_batch{batch}", **row)
 
 
 def train_child(run: Run, bt: types.ModuleType, a, impl: str) -> dict | None:
@@ -347,7 +422,7 @@ def train_section(run: Run) -> None:
 
 
 SECTIONS = {"env": env_section, "peak": peak_section, "tests": tests_section, "engine": engine_section,
-            "train": train_section}
+            "graphs": graphs_section, "train": train_section}
 
 
 def main(argv: list[str] | None = None) -> Run:

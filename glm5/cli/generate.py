@@ -52,6 +52,8 @@ def parse_args(argv):
     p.add_argument("--session-policy", choices=["drop", "summarize"], default="drop",
                    help="--interactive: past --max-session-len drop the oldest turns or summarise them")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--compile-decode", choices=["none", "inductor", "cuda_graphs"], default="none",
+                   help="decode steps compiled (torch.compile) or replayed from CUDA graphs (docs/engine.md)")
     return p.parse_args(argv)
 
 
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args.model)
     opts = dict(quantization=args.quantization, speculative_num_tokens=spec, prompt_lookup_max=lookup,
                 max_model_len=args.max_model_len, max_session_len=args.max_session_len,
-                session_policy=args.session_policy, max_num_seqs=max(4, 2 * (args.beam_width or 1)))
+                session_policy=args.session_policy, max_num_seqs=max(4, 2 * (args.beam_width or 1)),
+                compile_decode=args.compile_decode)
     if args.device:
         opts["device"] = args.device
     tune_malloc()

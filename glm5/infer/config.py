@@ -51,7 +51,16 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     max_resident_experts: int | None = None  # expert offload: experts kept on device per layer
     expert_cache_bytes: int | None = None  # expert offload: device bytes for resident experts
-    enforce_eager: bool = False  # accepted for vLLM compatibility; no effect: the engine has no CUDA-graph path yet
+    # captured decode (glm5/infer/graphs.py): steps of single-token decodes padded to a batch-size bucket
+    # (1, 2, 4, ... max_num_seqs) run the model's forward compiled by torch.compile(fullgraph=True)
+    # ("inductor", any device) or replayed from a CUDA graph of it ("cuda_graphs", CUDA only); "none" =
+    # eager. Prefill, mixed and LoRA steps run eagerly, and every step under MTP speculation (a warning);
+    # a failed build falls back to eager
+    # with one warning. Needs plain routed experts (no INT8, offload or native expert kernel): with it,
+    # kernels="auto" means the PyTorch kernels
+    compile_decode: Literal["none", "inductor", "cuda_graphs"] = "none"
+    compile_backend: str = "inductor"  # torch.compile backend of compile_decode="inductor" ("aot_eager": debugging)
+    enforce_eager: bool = False  # vLLM's switch: True runs every step eagerly whatever compile_decode says
 
     # multi-LoRA serving (glm5/infer/lora.py)
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT LoRA directory, loaded at start

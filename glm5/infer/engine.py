@@ -161,6 +161,10 @@ class LLMEngine:
         c = self.config
         if c.kernels == "torch":
             return None
+        if c.kernels == "auto" and c.compile_decode != "none" and not c.enforce_eager and not c.speculative_num_tokens:
+            # the captured decode traces the PyTorch modules; the native ones would switch it off
+            log.info("compile_decode=%r: kernels='auto' runs the PyTorch kernels", c.compile_decode)
+            return None
         if torch.device(c.device).type != "cpu":
             if c.kernels == "native":
                 raise ValueError(f"kernels='native' runs on CPU only, not on device {c.device!r}; use 'auto' or 'torch'")
@@ -465,6 +469,8 @@ class LLMEngine:
                      kv_expanded_bytes_per_token=cache.expanded_bytes_per_token(), model_version=self.model_version)
         if self.runner.proposer is not None:
             stats.update(self.runner.proposer.stats())
+        if self.runner.graphs is not None:  # captured decode: build seconds, buckets, steps served, why off
+            stats.update(self.runner.graphs.stats())
         stats.update(expert_stats(self.model))
         stats["expert_load"] = self.expert_load()
         return stats

@@ -11,6 +11,8 @@ Dims: N flat tokens, H hidden, V vocab, M logit rows.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -22,10 +24,13 @@ from glm5.model.model import GLM5ForCausalLM
 from glm5.model.paged import AttnMetadata, LayerKernel
 
 from .config import EngineConfig
+from .graphs import DecodeGraphs, bucket_sizes
 from .input_batch import SeqChunk, build_metadata
 from .outputs import PositionLogprobs
 from .sampling import Sampler, logprobs_of, position_logprobs, requested_logprobs, with_requested
 from .scheduler import ScheduleOutput, ScheduledRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,8 +72,18 @@ class ModelRunner:
         # no indexer keys when no request can outgrow the top-k (every key is attended; e.g. max_model_len
         # <= index_topk): the projection, RoPE and cache write of the indexer key are skipped on every layer
         max_keys = (config.max_model_len or self.cfg.max_position_embeddings) + config.speculative_num_tokens
-        self.cache = LatentKVCache(self.cfg, num_blocks, config.block_size, cache_dtype, self.device, self.with_mtp,
-                                   index_keys=selection_possible(self.cfg, max_keys))
+        mode = "none" if config.enforce_eager or self.with_mtp else config.compile_decode
+        if self.with_mtp and config.compile_decode != "none" and not config.enforce_eager:
+            # every step verifies drafts (and the proposer reads the step's hidden states): none is a decode
+            log.warning("compile_decode=%r has no effect with speculative decoding (speculative_num_tokens > 0)",
+                        config.compile_decode)
+        # a captured decode (graphs.py) gets one block more: the scratch block its padding rows write to,
+        # outside the block manager's pool (ids 0..num_blocks-1)
+        self.cache = LatentKVCache(self.cfg, num_blocks + (mode != "none"), config.block_size, cache_dtype,
+                                   self.device, self.with_mtp, index_keys=selection_possible(self.cfg, max_keys))
+        self.graphs = None if mode == "none" else DecodeGraphs(
+            model, self.cache, mode, bucket_sizes(config.max_num_seqs), config.block_size, max_keys,
+            scratch_block=num_blocks, backend=config.compile_backend)
         self.sampler = sampler or Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.proposer = None
         if self.with_mtp:
@@ -91,12 +106,19 @@ class ModelRunner:
         if out.is_empty():
             return result
         tag = tag_version is not None and any(s.request.model_version == tag_version for s in out.scheduled)
-        ids, meta = self.metadata([self._chunk(s, tag) for s in out.scheduled])
-        rows = self._logit_rows(out, meta)
-        meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
-        fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
-        result.hidden, result.router_stats = fwd.hidden_states[0], fwd.router_stats
-        logits = fwd.logits[0].float()  # [M, V]
+        chunks = [self._chunk(s, tag) for s in out.scheduled]
+        rows = self._logit_rows(out, [0, *itertools.accumulate(c.num_tokens for c in chunks)])
+        captured = None if tag_version is not None else self._captured(chunks, rows)
+        if captured is not None:  # a decode bucket (graphs.py): logits of every row, no hidden states
+            logits, result.router_stats = captured
+            meta = None
+        else:
+            ids, meta = self.metadata(chunks)
+            meta.logits_indices = torch.tensor(rows.indices, dtype=torch.long, device=self.device)
+            fwd = self.model(ids[None], attn_metadata=meta, kv_cache=self.cache)
+            result.hidden, result.router_stats = fwd.hidden_states[0], fwd.router_stats
+            logits = fwd.logits[0]
+        logits = logits.float()  # [M, V]
         bad = self._nonfinite(logits, rows)
         if bad:  # those requests are aborted by the engine; the rest of the batch is sampled as usual
             result.nonfinite = bad
@@ -109,6 +131,17 @@ class ModelRunner:
         if self.proposer is not None:
             result.draft_token_ids = self.proposer.propose(out, meta, result.hidden, result.sampled)
         return result
+
+    def _captured(self, chunks: list[SeqChunk], rows: _Rows) -> tuple[torch.Tensor, list[dict]] | None:
+        """The step through a captured decode bucket when it is one: every chunk one token that samples
+        (logit row i = token i), no GLM 2D positions, no LoRA rows; else None (eager). Never while a hot swap
+        holds an old version (`run` checks): its `VersionedExperts` are not part of the captured graphs."""
+        if self.graphs is None or rows.indices != list(range(len(chunks))):
+            return None
+        if any(c.num_tokens != 1 or c.position_ids is not None or c.block_position_ids is not None
+               or c.prefix_len or c.adapter_id >= 0 for c in chunks):
+            return None
+        return self.graphs.run(chunks)
 
     def _chunk(self, s: ScheduledRequest, tag: bool = False) -> SeqChunk:
         req = s.request
@@ -123,12 +156,12 @@ class ModelRunner:
         return chunk
 
     @staticmethod
-    def _logit_rows(out: ScheduleOutput, meta: AttnMetadata) -> _Rows:
+    def _logit_rows(out: ScheduleOutput, query_start: list[int]) -> _Rows:
         """Rows that need logits: prompt positions that predict a prompt token (prompt_logprobs), then the
-        last 1 + drafts positions of each chunk that samples."""
+        last 1 + drafts positions of each chunk that samples (query_start [C + 1]: flat chunk offsets)."""
         rows = _Rows()
         for i, s in enumerate(out.scheduled):
-            q0, q1 = meta.query_start[i], meta.query_start[i + 1]
+            q0, q1 = query_start[i], query_start[i + 1]
             if s.request.params.prompt_logprobs is not None:
                 last = min(s.start + s.num_tokens, s.request.num_prompt_tokens - 1)  # [start, last) predict
                 n = max(last - s.start, 0)

@@ -76,14 +76,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, static_shapes: bool = False) -> torch.Tensor:
         """x [N, H], idx/weights [N, A] (keep [N, A] bool: assignments that survive capacity/dropout).
+        static_shapes (a captured step, `AttnMetadata.static_shapes`): always `grouped_experts`, whose ops
+        have shapes fixed by N and no host sync (the loops read routes on the host).
 
         Without autograd on CPU (serving, `generate_greedy`): `grouped_experts`, a fixed number of ops
         whatever the routing (two grouped matmuls; no per-expert Python); for a single token the loop over
         its A experts, since CPU `_grouped_mm` walks every expert, empty ones included (0.6 vs 1.2 ms per
         layer on the bench's 64-expert checkpoint), and the loop again once the experts get enough rows
         each for BLAS GEMMs (`LOOP_MIN_ROWS_PER_EXPERT`)."""
+        if static_shapes:
+            return grouped_experts(x, idx, weights, keep, self.gate_up_proj, self.down_proj, static_shapes=True)
         if not torch.is_grad_enabled() and not x.is_cuda:
             gu, dn = self.gate_up_proj, self.down_proj  # read once: a parametrized (LoRA) weight recomputes per read
             if (x.shape[0] == 1 and keep is None  # batch-1 decode: CPU _grouped_mm visits all E experts
@@ -173,9 +177,21 @@ def expert_loop(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep,
     return torch.zeros_like(x).index_add_(0, token, ys)
 
 
+@torch.library.custom_op("glm5::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a [M, K], b [E, K, N], offs [E])` -> [M, N] as an opaque op for compiled and captured
+    steps: torch's fake (meta) kernel of `_grouped_mm` accepts bf16 only, while the CPU kernel runs fp32 too."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
 def grouped_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep, gate_up: torch.Tensor,
                     down: torch.Tensor, delta: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor | None]
-                    | None = None) -> torch.Tensor:
+                    | None = None, static_shapes: bool = False) -> torch.Tensor:
     """Routed-expert output [N, H] for x [N, H], idx/weights [N, A] (inference, CPU): the N*A assignments
     sorted by expert (stable: token order within an expert), `torch._grouped_mm` over the [E, ., .] weights
     for gate_up and down (each expert's rows are one slice; experts with none are skipped), then summed per
@@ -184,23 +200,32 @@ def grouped_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, k
     `gate_up_proj` / `down_proj` product (per-row adapters when serving many LoRAs), or None.
 
     The same products and summation order as a loop of one matmul pair per expert, in 12 ops: at decode
-    sizes the loop's per-expert Python and dispatch cost more than the matmuls."""
+    sizes the loop's per-expert Python and dispatch cost more than the matmuls. static_shapes (a compiled or
+    captured step): the products go through the `grouped_mm` op, which torch.compile can trace in fp32."""
+    mm = grouped_mm if static_shapes else (lambda a, b, offs: torch._grouped_mm(a, b, offs=offs))
     A = idx.shape[1]
     flat = idx.reshape(-1)  # [N*A]
     order = torch.argsort(flat, stable=True)  # [M = N*A]
-    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)  # [E] end of each expert
+    offs = expert_counts(flat, gate_up.shape[0]).cumsum(0).to(torch.int32)  # [E] end of each expert
     token = order // A  # [M]
     xs = x.index_select(0, token)  # [M, H]
-    h = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+    h = mm(xs, gate_up.transpose(-2, -1), offs)  # [M, 2I]
     if delta is not None and (d := delta("gate_up_proj", xs, order)) is not None:
         h = h + d
     gate, up = h.chunk(2, dim=-1)
     a = F.silu(gate) * up  # [M, I]
-    ys = torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)  # [M, H]
+    ys = mm(a, down.transpose(-2, -1), offs)  # [M, H]
     if delta is not None and (d := delta("down_proj", a, order)) is not None:
         ys = ys + d
     w = weights.reshape(-1) if keep is None else weights.reshape(-1) * keep.reshape(-1)
     return torch.zeros_like(x).index_add_(0, token, ys * w.index_select(0, order)[:, None].to(ys.dtype))
+
+
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] (long) for expert ids idx [...] in [0, E): `bincount` with its output
+    shape fixed at E (bincount's depends on the largest id, which a compiled or captured step cannot have)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=idx.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 _GROUPED_MM_OK: dict = {}  # per CUDA device: does torch._grouped_mm run here (sm90+ in torch 2.13)?
@@ -344,14 +369,16 @@ class MoE(nn.Module):
         xf = x.reshape(-1, shape[-1])  # [N, H]
         logits, scores, weights, idx = self.gate(xf)
         stats = {"router_logits": logits, "scores": scores, "topk_idx": idx,
-                 "tokens_per_expert": torch.bincount(idx.reshape(-1), minlength=self.cfg.n_routed_experts)}
+                 "tokens_per_expert": expert_counts(idx, self.cfg.n_routed_experts)}
         if self.cfg.moe_type == "soft":
             probs = (logits.softmax(-1) if self.cfg.scoring_func == "softmax" else scores / scores.sum(-1, True))
             routed = self.experts.forward_dense(xf, probs * self.cfg.routed_scaling_factor)
         else:
             keep = self._keep_mask(idx, shape, ctx)
             stats["dropped_tokens"] = 0 if keep is None else int((~keep).sum())
-            if isinstance(self.experts, TaggedExperts):
+            if ctx is not None and ctx.meta.static_shapes:  # a captured step (never while a hot swap holds a version)
+                routed = self.experts(xf, idx, weights, keep, static_shapes=True)
+            elif isinstance(self.experts, TaggedExperts):
                 routed = self.experts(xf, idx, weights, keep, None if ctx is None else ctx.meta.row_tags)
             else:
                 routed = self.experts(xf, idx, weights, keep)

@@ -29,12 +29,16 @@ modules it swaps in (`glm5.model.moe.TaggedExperts`, which receive it as a forwa
 gives tags no meaning and only passes them on. The metadata is built anew for every step, so such modules
 read per-step row data from their arguments, never from state written into them before each step.
 
+Captured decode (`static_shapes`): the engine's bucketed decode step (glm5/infer/graphs.py) runs this same
+forward on persistent per-bucket buffers with padded static shapes; the flag makes the layers pick their
+capture-safe branch (the MoE's grouped experts instead of the per-expert loop), decided in Python, never
+from tensor values.
+
 Dims: N flat tokens, B sequences in a group, T queries per sequence (padded), S keys (padded), M logit rows.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,16 +65,20 @@ class AttnGroup:
     causal_from_start: bool = False  # one sequence, queries = keys 0..S-1, plain causal mask (a first chunk)
     out_index: torch.Tensor | None = None  # [n] flat token index of each valid query, in [B*T] row order
     valid_rows: torch.Tensor | None = None  # [n] position of each valid query in [B*T] (None: all valid)
+    _key_bias: torch.Tensor | None = field(default=None, repr=False)  # `key_bias`, once built
 
     @property
     def num_keys(self) -> int:
         return int(self.key_slots.shape[1])
 
-    @functools.cached_property
+    @property
     def key_bias(self) -> torch.Tensor:
-        """`allowed` as an additive fp32 mask [B, T, S] (0 / -inf), built once per step for every layer."""
-        return torch.zeros(self.allowed.shape, dtype=torch.float32,
-                           device=self.allowed.device).masked_fill_(~self.allowed, float("-inf"))
+        """`allowed` as an additive fp32 mask [B, T, S] (0 / -inf), built once per step for every layer (cached
+        in a field, not by `functools.cached_property`, whose lock torch.compile cannot trace)."""
+        if self._key_bias is None:
+            self._key_bias = torch.zeros(self.allowed.shape, dtype=torch.float32,
+                                         device=self.allowed.device).masked_fill_(~self.allowed, float("-inf"))
+        return self._key_bias
 
 
 class LayerKernel(Protocol):
@@ -98,6 +106,9 @@ class AttnMetadata:
     mla_kernel: MLAKernel | None = None  # ... or the whole absorbed path (W_uk, attention, W_uv) in one call
     rope_kernel: RopeKernel | None = None  # rotates the attention's q / k instead of `apply_rope`
     layer_kernel: LayerKernel | None = None  # ... or runs whole decoder layers (see LayerKernel)
+    # a captured step (glm5/infer/graphs.py: torch.compile, CUDA graphs): shapes are the bucket's, and the
+    # layers take only branches without host syncs or data-dependent shapes (a Python-static choice)
+    static_shapes: bool = False
 
     @property
     def num_tokens(self) -> int:
