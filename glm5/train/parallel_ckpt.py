@@ -90,7 +90,7 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     Parameters that never had a gradient before the save (e.g. the DSA indexer outside its warm-up)
     have no optimizer state in the checkpoint; they get none after the load either, as in the run
     that wrote it (`get_state_dict` would otherwise invent a zero state with step 1 for them).
-    """
+
     A checkpoint that holds only the trainable parameters (`save_dcp(trainable_only=True)`) loads
     those and leaves the frozen rest as built; one that lacks a trainable parameter is refused naming it.
     """
