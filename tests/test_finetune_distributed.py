@@ -52,7 +52,7 @@ def _env(rank: int, port: int) -> None:
 # --- gradients of the sharded model --------------------------------------------------------------------
 def _adapted_model() -> GLM5AdapterModel:
     torch.manual_seed(0)
-    model = GLM5AdapterModel(tiny_config()).init_weights(0)
+    model = GLM5AdapterModel(tiny_config(index_topk=16)).init_weights(0)
     torch.manual_seed(1)
     model.add_lora(LoraConfig(r=4, alpha=8, targets=ALL))
     with torch.no_grad():  # B != 0: every A gets a gradient too
@@ -62,7 +62,7 @@ def _adapted_model() -> GLM5AdapterModel:
     return model.train()
 
 
-def _ids() -> torch.Tensor:  # 80 > index_topk = 64: the sparse layers read kv_b_proj.weight (absorbed MLA)
+def _ids() -> torch.Tensor:  # 80 tokens over index_topk = 16: sparse layers read kv_b_proj.weight (absorbed MLA)
     return torch.randint(2, 512, (ROWS, 80), generator=torch.Generator().manual_seed(3))
 
 
@@ -117,7 +117,7 @@ def test_sharded_lora_gradients_equal_one_process(tmp_path, parallel):
 def base(tmp_path_factory):
     """A tiny base checkpoint with the bundled tokenizer and 30 training conversations."""
     root = tmp_path_factory.mktemp("ftdist")
-    save_pretrained(tiny_model(seed=1, vocab_size=8192, num_hidden_layers=2, index_topk=32), root / "base")
+    save_pretrained(tiny_model(seed=1, vocab_size=8192, num_hidden_layers=2, index_topk=8), root / "base")
     load_tokenizer(bundled("tokenizer-8k")).save(root / "base")
     with gzip.open(bundled("sft/train.jsonl.gz"), "rt", encoding="utf-8") as f:
         (root / "train.jsonl").write_text("".join(f.readlines()[::45]))

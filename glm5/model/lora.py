@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils import parametrize
 
 from .moe import Experts
@@ -129,13 +128,8 @@ class LoRALinear(WrappedLinear):
         return self.base_layer(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        """s * B A: [out, in]. Under tensor parallel (B column-sharded, A replicated: glm5/train/parallel_tp.py)
-        A joins B's mesh as a replicated DTensor, whose gradient (partial on each rank: B A is this rank's
-        rows) is all-reduced in backward."""
-        a, b = self.lora_A.weight, self.lora_B.weight
-        if isinstance(b, DTensor) and not isinstance(a, DTensor):
-            a = DTensor.from_local(a, b.device_mesh, [Replicate()] * b.device_mesh.ndim, run_check=False)
-        return (b @ a) * self.scaling
+        """s * B A: [out, in]."""
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
     @property
     def weight(self) -> torch.Tensor:

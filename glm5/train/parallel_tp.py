@@ -190,6 +190,19 @@ class _PartialGrad(torch.autograd.Function):
         return grad / ctx.size, None
 
 
+class _ColwiseLoRALinear(LoRALinear):
+    """A LoRALinear whose base and B are column-parallel (set by `_lora_styles`, a class swap: the
+    forward is LoRALinear's). Its `.weight` (read by absorbed MLA) lifts the replicated A onto B's mesh
+    as a Replicate DTensor: B A is then this rank's rows, and A's gradient, partial on each rank, is
+    all-reduced in backward."""
+
+    def delta_weight(self) -> torch.Tensor:
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if isinstance(b, DTensor) and not isinstance(a, DTensor):
+            a = DTensor.from_local(a, b.device_mesh, [Replicate()] * b.device_mesh.ndim, run_check=False)
+        return (b @ a) * self.scaling
+
+
 def _lora_styles(root: nn.Module, plan: dict, size: int) -> dict:
     """`plan` with every LoRALinear target split consistently with its base weight: the base layer takes
     the style; column-parallel base -> B [out, r] column-parallel too (sharded on out), A replicated;
@@ -208,6 +221,7 @@ def _lora_styles(root: nn.Module, plan: dict, size: int) -> dict:
         else:
             out[f"{name}.lora_B"] = ColwiseParallel(output_layouts=style.output_layouts[0],
                                                     use_local_output=style.use_local_output)
+            mod.__class__ = _ColwiseLoRALinear
             if isinstance(style, _ColwiseKeepPartial):
                 mod.lora_A.register_forward_pre_hook(lambda m, args: (_PartialGrad.apply(args[0], size),))
     return out
