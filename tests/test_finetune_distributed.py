@@ -209,11 +209,17 @@ def test_ep_tp_lora_match_one_process(base, tmp_path, parallel):
 
 
 @pytest.mark.slow
-def test_prefix_on_expert_parallel_matches_one_process(base, tmp_path):
-    ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, method="prefix"))
-    dist = _spawn(_cfg(base, tmp_path / "dist", ROWS // WORLD, steps=3, method="prefix", expert_parallel=2))
+@pytest.mark.parametrize("method,parallel", [("prefix", {"expert_parallel": 2}), ("full", {"expert_parallel": 2})],
+                         ids=["prefix_ep", "full_ep"])
+def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, parallel):
+    ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, method=method))
+    dist = _spawn(_cfg(base, tmp_path / "dist", ROWS // WORLD, steps=3, method=method, **parallel))
     assert _close(dist, ref), (dist, ref)
-    a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
+    if method == "prefix":
+        a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
+    else:  # the whole model, HF layout
+        from glm5.core.io import LazyTensors, safetensors_files
+        a, b = (LazyTensors(safetensors_files(tmp_path / d / "final")).load_all() for d in ("one", "dist"))
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
 
 
@@ -252,3 +258,26 @@ def test_meshes_that_cannot_hold_the_adapters_are_refused():
     model.add_lora(LoraConfig(r=4, targets=["attn"]))
     with pytest.raises(ValueError, match=r"q_b_proj's out_features=69"):
         check_lora_tp(model, 2)
+
+
+def test_merge_on_a_sharded_base(tmp_path):
+    """`glm5 merge` on a multi-file base (index + shards): the merged checkpoint is sharded too and
+    computes what base + adapter compute."""
+    from glm5.cli.merge import main as merge_main
+    from glm5.core.io import safetensors_files
+    save_pretrained(tiny_model(seed=2), tmp_path / "base", max_shard_size="400KB")
+    assert (tmp_path / "base/model.safetensors.index.json").is_file() and len(safetensors_files(tmp_path / "base")) > 2
+    model = from_pretrained(tmp_path / "base")
+    model.add_lora(LoraConfig(r=4, alpha=8, targets=ALL))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    model.save_adapter(tmp_path / "adapter")
+    assert merge_main([str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    assert len(safetensors_files(tmp_path / "merged")) > 2
+    x = torch.randint(2, 512, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        merged = from_pretrained(tmp_path / "merged")(x).logits
+        adapted = from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")(x).logits
+    assert (merged - adapted).abs().max() <= 1e-5
