@@ -281,3 +281,11 @@ def test_merge_on_a_sharded_base(tmp_path):
         merged = from_pretrained(tmp_path / "merged")(x).logits
         adapted = from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")(x).logits
     assert (merged - adapted).abs().max() <= 1e-5
+
+
+def test_cli_refuses_pipelined_adapters_in_one_line(base, tmp_path, capsys):
+    from glm5.finetune.launch import main
+    rc = main(["--config", "configs/finetune/lora.toml", f"--model.name={base}/base", f"--log.run_dir={tmp_path}",
+               "--parallel.pipeline_parallel=2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "parallel.pipeline_parallel=2" in err, err
