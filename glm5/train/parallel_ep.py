@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-
 from torch.nn.utils import parametrize
 
 from glm5.model.lora import EXPERT_PARAMS, ExpertLoRA
@@ -57,7 +56,10 @@ class EPExperts(nn.Module):
     """This rank's L = E / ep routed experts; dispatches tokens to their owners and combines the results.
 
     `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] are DTensors sharded on dim 0 over the EP mesh
-    (the local tensor is [L, 2I, H] / [L, H, I], experts [rank * L, (rank + 1) * L)).
+    (the local tensor is [L, 2I, H] / [L, H, I], experts [rank * L, (rank + 1) * L)). A LoRA-adapted
+    source (`ExpertLoRA` parametrization, glm5/model/lora.py) stays adapted: its A [E, r, in] and
+    B [E, out, r] are sharded the same way, so this rank trains only its experts' adapters, and the
+    parameter names (`parametrizations.<name>.original`, `.0.lora_A`) are the single-process ones.
     """
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
