@@ -199,13 +199,17 @@ def test_fsdp_lora_matches_one_process_resumes_and_loads_in_peft(base, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [{"expert_parallel": 2}, {"tensor_parallel": 2}], ids=["ep", "tp"])
-def test_ep_tp_lora_match_one_process(base, tmp_path, parallel):
+def test_ep_tp_lora_match_one_process_and_resume_on_one(base, tmp_path, parallel):
     ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3))
     rows = ROWS if "tensor_parallel" in parallel else ROWS // WORLD  # TP peers read the same rows
     dist = _spawn(_cfg(base, tmp_path / "dist", rows, steps=3, **parallel))
     assert _close(dist, ref), (dist, ref)
     a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    # its step-2 DCP checkpoint (experts' / heads' adapter shards) resumed in one process
+    step2 = tmp_path / "dist" / "checkpoints" / "step_00000002"
+    alone = _fit(_cfg(base, tmp_path / "alone", ROWS, steps=3, resume=str(step2)))
+    assert _close(alone, dist[2:]), (alone, dist)
 
 
 @pytest.mark.slow
