@@ -213,11 +213,12 @@ def test_ep_tp_lora_match_one_process_and_resume_on_one(base, tmp_path, parallel
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,parallel", [("prefix", {"expert_parallel": 2}), ("full", {"expert_parallel": 2})],
-                         ids=["prefix_ep", "full_ep"])
+@pytest.mark.parametrize("method,parallel", [("prefix", {"expert_parallel": 2}), ("prefix", {"tensor_parallel": 2}),
+                                             ("full", {"expert_parallel": 2})], ids=["prefix_ep", "prefix_tp", "full_ep"])
 def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, parallel):
     ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, method=method))
-    dist = _spawn(_cfg(base, tmp_path / "dist", ROWS // WORLD, steps=3, method=method, **parallel))
+    rows = ROWS if "tensor_parallel" in parallel else ROWS // WORLD
+    dist = _spawn(_cfg(base, tmp_path / "dist", rows, steps=3, method=method, **parallel))
     assert _close(dist, ref), (dist, ref)
     if method == "prefix":
         a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
@@ -252,9 +253,6 @@ def test_meshes_that_cannot_hold_the_adapters_are_refused():
     from glm5.train.parallel_tp import check_lora_tp
     with pytest.raises(ValueError, match="parallel.pipeline_parallel=2"):
         check_mesh(from_dict(FinetuneConfig, {"parallel": {"pipeline_parallel": 2}}))
-    with pytest.raises(ValueError, match="parallel.tensor_parallel=2"):
-        check_mesh(from_dict(FinetuneConfig, {"method": "prefix", "data": {"pack": False},
-                                              "parallel": {"tensor_parallel": 2}}))
     check_mesh(from_dict(FinetuneConfig, {"method": "full", "parallel": {"pipeline_parallel": 2}}))
     with pytest.raises(ValueError, match="n_routed_experts=6"):
         check_model(tiny_config(n_routed_experts=6), {"pp": 1, "dp": 1, "ep": 4, "tp": 1})

@@ -5,7 +5,8 @@ The model is built as in one process (base + adapters, base frozen), then `glm5.
 shards it like a pretraining model: FSDP2 units hold frozen and trainable parameters together (torch's
 `fully_shard` keeps `requires_grad` per parameter and reduces only the gradients that exist), expert
 parallel gives each rank its experts' LoRA slices (`parallel_ep.EPExperts`), tensor parallel splits
-each adapter like its base weight (`parallel_tp._lora_styles`). Every trained tensor keeps its name
+each adapter like its base weight (`parallel_tp._lora_styles`), and `parallelize` here adds the
+tensor-parallel gradient reduction of prefix entries (`TPPrefixMLAttention`). Every trained tensor keeps its name
 and its full shape (as a DTensor), so `gather_trainable` can rebuild the exact single-process tensors
 and DCP can reshard a checkpoint to another world size.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from glm5.core import dist
@@ -30,10 +32,37 @@ def check_mesh(cfg: FinetuneConfig) -> None:
         raise ValueError(f"method = {cfg.method!r} with parallel.pipeline_parallel={par.pipeline_parallel}: "
                          "adapters are not pipelined; use data, expert or tensor parallel "
                          "(parallel.pipeline_parallel = 1), or method = 'full'")
-    if cfg.method == "prefix" and par.tensor_parallel > 1:
-        raise ValueError(f"method = 'prefix' with parallel.tensor_parallel={par.tensor_parallel}: the prefix "
-                         "latents join the attention after its tensor-parallel gradient reduction; use data or "
-                         "expert parallel (parallel.tensor_parallel = 1)")
+
+
+class TPPrefixMLAttention(prefix.PrefixMLAttention):
+    """A prefix attention under tensor parallel (a class swap after `parallelize`; the math is the base
+    class's). The prefix entries join the latent and the rope key after the points where tensor parallel
+    all-reduces the real tokens' gradients (kv_a_layernorm's output, the rope slice of
+    kv_a_proj_with_mqa: glm5/train/parallel_tp.py), and they feed this rank's heads only, so their
+    slice gets the same reduction here."""
+
+    tp_group: ProcessGroup  # the "tp" mesh dimension's
+
+    def project_kv(self, x, cos, sin):
+        from glm5.train.parallel_tp import grad_all_reduce
+        c_kv, k_rope = super().project_kv(x, cos, sin)  # [B, P + T, R], [B, P + T, rope]
+        P = self.prefix.latent.shape[0]
+        reduce = lambda t: torch.cat([grad_all_reduce(t[:, :P], self.tp_group), t[:, P:]], dim=1)  # noqa: E731
+        return reduce(c_kv), reduce(k_rope)
+
+
+def parallelize(model: nn.Module, cfg: FinetuneConfig) -> nn.Module:
+    """The trainer's hook: `glm5.train.parallel.parallelize`, then (tensor parallel, prefix tuning) the
+    prefix attentions' gradient reduction (`TPPrefixMLAttention`)."""
+    from glm5.train.parallel import parallelize as parallelize_model
+    model = parallelize_model(model, cfg)
+    plan = model.parallel_plan
+    if plan.tp > 1 and cfg.method == "prefix":
+        group = plan.mesh["tp"].get_group()
+        for layer in model.model.main_layers:
+            layer.self_attn.__class__ = TPPrefixMLAttention
+            layer.self_attn.tp_group = group
+    return model
 
 
 @torch.no_grad()

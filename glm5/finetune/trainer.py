@@ -28,7 +28,7 @@ from . import prefix
 from .adapters import GLM5AdapterModel, from_pretrained
 from .config import FinetuneConfig
 from .domain import UnfreezeSchedule, add_domain_tokens
-from .parallel import assemble, check_mesh, gather_trainable
+from .parallel import assemble, check_mesh, gather_trainable, parallelize
 from .sft_data import MixedData, SFTData
 
 def tokenizer_dir(cfg: FinetuneConfig) -> Path:
@@ -81,7 +81,7 @@ class FinetuneTrainer(Trainer):
         self.unfreeze = UnfreezeSchedule(model, cfg.domain.unfreeze_every) if cfg.domain.unfreeze_every else None
         self.base = model.name_or_path
         report = model.trainable_report()  # before sharding: the single-process counts
-        super().__init__(cfg, model=model.train(), data=data)
+        super().__init__(cfg, model=model.train(), data=data, parallelize_fn=parallelize)
         assert (self.data_rank, self.data_world) == coords, "data_coords disagrees with the mesh"
         dist.print0(f"finetune ({self.method}): {report['trainable_params']:,} trainable of "
                     f"{report['total_params']:,} parameters ({report['trainable_fraction']:.3%}), "

@@ -60,6 +60,12 @@ class _GradAllReduce(torch.autograd.Function):
         return grad, None
 
 
+def grad_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward, gradient summed over `group` backward: for a replicated tensor that joins
+    head-sharded computation outside the regions this plan reduces (fine-tuning's MLA prefix entries)."""
+    return _GradAllReduce.apply(x, group)
+
+
 class _ReplicateKeepPartial(torch.autograd.Function):
     """A plain tensor -> DTensor Replicate whose backward hands the (partial) local gradient back
     unreduced: the reduction happens once, upstream (see the module docstring)."""
