@@ -11,6 +11,11 @@
       bundled set records for it (its reasoning line: "`f` takes `a`, `b` and calls ..."). The SFT data
       does not contain these questions, so the check measures whether fine-tuning keeps (or costs) the
       base's instruction following, next to the held-out loss it gains.
+  python bench/finetune.py --parallel [--steps 9]
+      LoRA (attn + mlp + experts, r 16) on the distributed mesh: 1 process vs 2 ranks under torchrun
+      (FSDP, expert parallel, tensor parallel) on a fresh `tiny` base, same global batch (8 packed SFT rows
+      x 128 tokens): training tokens/s, peak RSS per rank, and the communication share of the profiled
+      steps (every other one: the profiler's collective time over the step's wall time).
   python bench/finetune.py serve --base runs/tiny/final [--adapter runs/finetune-lora/final]
       Multi-LoRA serving: the same requests (greedy, fixed length) spread over 4 adapters in one batch vs
       all on the base model; output tokens/s, alternated rounds, median.
@@ -214,9 +219,79 @@ def run_serve(a) -> None:
                       "ratio": round(mix / base, 3), "rounds": rates, "load_avg": os.getloadavg()}))
 
 
+LAYOUTS = {"1 process": {}, "fsdp x2": {"data_parallel": 2}, "ep x2": {"expert_parallel": 2},
+           "tp x2": {"tensor_parallel": 2}}
+GLOBAL_ROWS, PAR_SEQ = 8, 128
+
+
+def tiny_base(root: Path) -> Path:
+    """A freshly initialised `tiny` preset (seed 0) with the bundled tokenizer: the LoRA base."""
+    from glm5.core.resources import bundled
+    from glm5.data.tokenizer import load_tokenizer
+    from glm5.model.config import ModelConfig
+    from glm5.model.hf_adapter import save_pretrained
+    from glm5.model.model import GLM5ForCausalLM
+    save_pretrained(GLM5ForCausalLM(ModelConfig.from_preset("tiny")).init_weights(seed=0), root / "base")
+    load_tokenizer(bundled("tokenizer-8k")).save(root / "base")
+    return root / "base"
+
+
+def run_parallel(a) -> None:
+    """Each layout in its own launch (torchrun for 2 ranks); medians over the steps after the first."""
+    from glm5.core.log import read_metrics
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(tempfile.mkdtemp(prefix="glm5-bench-ftmesh-"))
+    base = tiny_base(root)
+    print(json.dumps({"load_avg": os.getloadavg()}))
+    print(f"LoRA r 16 on attn + mlp + experts, tiny base, global batch {GLOBAL_ROWS} x {PAR_SEQ} tokens, "
+          f"{a.steps} steps, 1 thread per rank; comm share from the profiled (even) steps, the rest from the odd ones")
+    print(f"{'layout':<12}{'tokens/s':>10}{'comm share':>12}{'comm s/step':>13}{'step s':>9}{'peak RSS/rank MiB':>20}")
+    for name, par in LAYOUTS.items():
+        run = root / name.replace(" ", "_")
+        worker = [__file__, "--parallel-worker", name, f"--steps={a.steps}", f"--out-dir={run}", f"--base={base}"]
+        launch = [sys.executable] if not par else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        done = subprocess.run(launch + worker, env=env, capture_output=True, text=True)
+        if done.returncode:
+            print(f"{name:<12} failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        recs = [r for r in read_metrics(run / "metrics.jsonl") if "tokens_per_s" in r][1:]
+        plain = [r for r in recs if "comm_frac" not in r]
+        prof = [r for r in recs if "comm_frac" in r] or [{}]
+        med = lambda rows, k: sorted(r.get(k, 0.0) for r in rows)[len(rows) // 2]  # noqa: E731
+        rss = [json.loads(f.read_text())["peak_rss_mib"] for f in sorted(run.glob("rss_rank*.json"))]
+        comm = (f"{med(prof, 'comm_frac'):>12.0%}{med(prof, 'comm_s'):>13.3f}" if par else f"{'-':>12}{'-':>13}")
+        print(f"{name:<12}{med(plain, 'tokens_per_s'):>10.0f}{comm}{med(plain, 'step_s'):>9.2f}"
+              f"{' / '.join(f'{m:.0f}' for m in rss):>20}", flush=True)
+    print(json.dumps({"load_avg": os.getloadavg()}))
+
+
+def parallel_worker(a) -> None:
+    """One rank of a `--parallel` layout: FinetuneTrainer.fit() (LoRA), then this rank's peak RSS."""
+    from glm5.core.config import from_dict
+    from glm5.finetune.config import FinetuneConfig
+    from glm5.finetune.trainer import FinetuneTrainer
+    par = LAYOUTS[a.parallel_worker]
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    data_world = world // par.get("tensor_parallel", 1)
+    cfg = from_dict(FinetuneConfig, {
+        "method": "lora", "model": {"name": a.base},
+        "data": {"batch_size": GLOBAL_ROWS // data_world, "seq_len": PAR_SEQ, "val_path": ""},
+        "lora": {"r": 16, "alpha": 32, "targets": ["attn", "mlp", "experts"]},
+        "train": {"steps": a.steps, "num_threads": 1}, "parallel": par, "checkpoint": {"at_exit": False},
+        "log": {"run_dir": a.out_dir, "every": 1, "progress": False, "eval_batches": 0, "measure_peak": False,
+                "profile_comm_every": 2 if par else 0}})
+    FinetuneTrainer(cfg).fit()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    (Path(a.out_dir) / f"rss_rank{rank}.json").write_text(json.dumps({"peak_rss_mib": peak}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["sft", "serve", "child-sft"])
+    ap.add_argument("what", nargs="?", choices=["sft", "serve", "child-sft"], default="sft")
+    ap.add_argument("--parallel", action="store_true", help="LoRA on the torchrun mesh layouts (see the docstring)")
+    ap.add_argument("--parallel-worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--base", default="runs/tiny/final")
     ap.add_argument("--adapter", default=None, help="a trained LoRA adapter to serve among the 4")
     ap.add_argument("--method", default="lora")
@@ -232,7 +307,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    if a.what == "child-sft":
+    if a.parallel_worker:
+        parallel_worker(a)
+    elif a.parallel:
+        run_parallel(a)
+    elif a.what == "child-sft":
         print(json.dumps(child_sft(a)))
     elif a.what == "sft":
         print(json.dumps({"load_avg": os.getloadavg()}))

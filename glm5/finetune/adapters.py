@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from glm5.core.io import atomic_dir
+from glm5.core.io import atomic_dir, safetensors_files
 from glm5.model import hf_adapter, lora, peft_adapter
 from glm5.model.model import GLM5ForCausalLM
 
@@ -79,11 +79,14 @@ def merge_checkpoint(base: str | Path, adapter: str | Path, out: str | Path,
                      dtype: torch.dtype | None = None) -> Path:
     """`glm5 merge`: base + adapter -> a plain HF checkpoint in `out` (atomically), with the base's
     tokenizer and generation config copied next to it."""
-    model = from_pretrained(base, adapter=adapter)
+    model = from_pretrained(base, adapter=adapter)  # a sharded base (index + several files) too
     model.merge_adapter()
     out = Path(out)
+    files = safetensors_files(base)
+    # a sharded base gives a sharded merge, files no larger than the base's largest
+    shard = max(f.stat().st_size for f in files) if len(files) > 1 else "5GB"
     with atomic_dir(out) as tmp:
-        hf_adapter.save_pretrained(model, tmp, dtype=dtype)
+        hf_adapter.save_pretrained(model, tmp, max_shard_size=shard, dtype=dtype)
         for name in SIDE_FILES:
             if (Path(base) / name).is_file():
                 shutil.copyfile(Path(base) / name, tmp / name)

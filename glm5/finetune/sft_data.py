@@ -29,10 +29,14 @@ def _batch(rows: dict[str, np.ndarray], position_offset: int) -> dict[str, torch
 
 class SFTData(DataSource):
     """Packed (or one-per-row, `pack=False`) chat rows. `position_offset` shifts positions (prefix
-    tuning: real tokens follow the virtual prefix tokens)."""
+    tuning: real tokens follow the virtual prefix tokens). On `world` data ranks each call walks the
+    global batch of batch_size x world rows and `rank` keeps rows [rank x B, (rank + 1) x B): the
+    state (epoch, cursor) is global, so a run resumed at another world size continues at its rows and
+    every global batch is the one a single process with batch_size x world rows would see."""
 
-    def __init__(self, cfg, tokenizer: GLMTokenizer, position_offset: int = 0):
+    def __init__(self, cfg, tokenizer: GLMTokenizer, position_offset: int = 0, rank: int = 0, world: int = 1):
         self.cfg, self.tokenizer, self.position_offset = cfg, tokenizer, position_offset
+        self.rank, self.world = rank, world
         self.micro_batch_size, self.vocab_size = cfg.batch_size, tokenizer.vocab_size
         self.docs = sft.encode_file(tokenizer, cfg.train_path, cfg.keep_reasoning)
         self.val_docs = sft.encode_file(tokenizer, cfg.val_path, cfg.keep_reasoning) if cfg.val_path else []
@@ -52,7 +56,8 @@ class SFTData(DataSource):
 
     def next_batch(self, objective: str = "clm") -> dict:
         take: dict[str, list[np.ndarray]] = {k: [] for k in self._rows}
-        need = self.micro_batch_size
+        B = self.micro_batch_size
+        need = B * self.world
         while need:
             n = min(need, len(self._rows["input_ids"]) - self.cursor)
             for k, v in self._rows.items():
@@ -62,15 +67,20 @@ class SFTData(DataSource):
             if self.cursor == len(self._rows["input_ids"]):  # epoch done: next permutation
                 self.epoch, self.cursor = self.epoch + 1, 0
                 self._rows = self._epoch_rows(self.epoch)
-        return _batch({k: np.concatenate(v) for k, v in take.items()}, self.position_offset)
+        lo = self.rank * B
+        return _batch({k: np.concatenate(v)[lo:lo + B] for k, v in take.items()}, self.position_offset)
 
     def val_batches(self, n: int) -> list[dict]:
         if not self.val_docs:
             return []
         rows = self._pack(self.val_docs)
-        B = self.micro_batch_size
-        return [_batch({k: v[i:i + B] for k, v in rows.items()}, self.position_offset)
-                for i in range(0, min(len(rows["input_ids"]), n * B), B)]
+        B, W = self.micro_batch_size, self.world
+        total = len(rows["input_ids"])
+        # global batches of B x W rows, this rank's B; only those that give every rank rows (the ranks'
+        # forwards are collective under FSDP, so they must run the same number of batches)
+        starts = [i for i in range(0, min(total, n * B * W), B * W) if i + (W - 1) * B < total]
+        return [_batch({k: v[i + self.rank * B:i + (self.rank + 1) * B] for k, v in rows.items()}, self.position_offset)
+                for i in starts]
 
     def first_row(self) -> np.ndarray:
         """Token ids of the first training row (prefix initialisation)."""
@@ -95,7 +105,7 @@ class MixedData(DataSource):
         self.domain, self.ratio, self.seed = domain, general_ratio, seed
         cfg = domain.cfg
         self.general = PackedLoader(DataLoaderConfig(train_path=general_path, val_path="", batch_size=cfg.batch_size,
-                                                     seq_len=cfg.seq_len, seed=seed), 0, 1)
+                                                     seq_len=cfg.seq_len, seed=seed), domain.rank, domain.world)
         general_vocab = int(self.general.shards.meta.get("vocab_size", 0))
         self.micro_batch_size, self.vocab_size = domain.micro_batch_size, max(domain.vocab_size, general_vocab)
         self.step, self.micro, self.counts = 0, 0, {"domain": 0, "general": 0}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from glm5.core import dist
+from glm5.core.config import to_dict
 from glm5.core.io import atomic_dir
 from glm5.core.resources import bundled, resolve_path
 from glm5.data.tokenizer import load_tokenizer
@@ -27,6 +28,7 @@ from . import prefix
 from .adapters import GLM5AdapterModel, from_pretrained
 from .config import FinetuneConfig
 from .domain import UnfreezeSchedule, add_domain_tokens
+from .parallel import assemble, check_mesh, gather_trainable, parallelize
 from .sft_data import MixedData, SFTData
 
 def tokenizer_dir(cfg: FinetuneConfig) -> Path:
@@ -37,8 +39,9 @@ def tokenizer_dir(cfg: FinetuneConfig) -> Path:
     return base if (base / "tokenizer.json").is_file() else bundled("tokenizer-8k")
 
 
-def build_model(cfg: FinetuneConfig):
-    """-> (model with the method's trainable part attached, tokenizer, data)."""
+def build_model(cfg: FinetuneConfig, data_rank: int = 0, data_world: int = 1):
+    """-> (model with the method's trainable part attached, tokenizer, data: rank `data_rank` of
+    `data_world` data ranks' rows)."""
     base = Path(cfg.model.name)
     if not (base / "config.json").is_file():
         raise ValueError(f"model.name = {cfg.model.name!r}: fine-tuning needs a base checkpoint directory "
@@ -50,7 +53,7 @@ def build_model(cfg: FinetuneConfig):
     if cfg.domain.new_tokens:
         tok = add_domain_tokens(model, tok, cfg.domain.new_tokens)
     P = cfg.prefix.num_virtual_tokens if cfg.method == "prefix" else 0
-    data = SFTData(cfg.data, tok, position_offset=P)
+    data = SFTData(cfg.data, tok, position_offset=P, rank=data_rank, world=data_world)
     if cfg.method == "lora":
         model.add_lora(cfg.lora)
     elif cfg.method == "prefix":
@@ -66,16 +69,20 @@ def build_model(cfg: FinetuneConfig):
 
 class FinetuneTrainer(Trainer):
     def __init__(self, cfg: FinetuneConfig):
+        check_mesh(cfg)
+        coords = (0, 1)  # (data rank, data degree): the data is built before the mesh
+        if dist.world_size() > 1:
+            from glm5.train.parallel import data_coords  # the distributed modules load only when needed
+            coords = data_coords(cfg.parallel, dist.rank(), dist.world_size())
         torch.manual_seed(cfg.train.seed)  # adapter init (A matrices, random prefixes) follows the seed
-        model, self.tokenizer, data = build_model(cfg)
+        model, self.tokenizer, data = build_model(cfg, *coords)
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=cfg.resolved_lr()))
         self.method = cfg.method
         self.unfreeze = UnfreezeSchedule(model, cfg.domain.unfreeze_every) if cfg.domain.unfreeze_every else None
-        super().__init__(cfg, model=model.train(), data=data)
-        if self.distributed and self.method != "full":
-            raise ValueError(f"method = {self.method!r} runs in one process (adapters are small); "
-                             "use method = 'full' under torchrun")
-        report = self.raw_model.trainable_report()
+        self.base = model.name_or_path
+        report = model.trainable_report()  # before sharding: the single-process counts
+        super().__init__(cfg, model=model.train(), data=data, parallelize_fn=parallelize)
+        assert (self.data_rank, self.data_world) == coords, "data_coords disagrees with the mesh"
         dist.print0(f"finetune ({self.method}): {report['trainable_params']:,} trainable of "
                     f"{report['total_params']:,} parameters ({report['trainable_fraction']:.3%}), "
                     f"lr {cfg.optim.lr:.2e}")
@@ -111,10 +118,36 @@ class FinetuneTrainer(Trainer):
 
     def save_final(self) -> Path | None:
         """`RUN_DIR/final`: the adapter (lora/prefix) or the full model, plus the tokenizer."""
-        if self.distributed:
+        if self.distributed and self.method == "full":
             return super().save_final()
         final = self.run_dir / "final"
-        with atomic_dir(final) as tmp:
-            self.write_model(self.raw_model, tmp)
-            self.tokenizer.save(tmp)
+        self.export_trained(final, tokenizer=True)
         return final
+
+    # --- on the mesh: adapters gathered into the single-process layout -----------------------------------
+    def export_trained(self, directory: Path, tokenizer: bool = False) -> None:
+        """Write the adapter (PEFT LoRA / latent prefix files, + the tokenizer) into `directory`
+        atomically. Distributed: collective; the shards are gathered and rank 0 writes exactly what one
+        process would."""
+        if self.distributed:
+            tensors = gather_trainable(self.model)
+            model = assemble(self.cfg, self.raw_model.config, tensors, self.base) if tensors is not None else None
+        else:
+            model = self.raw_model
+        if model is not None:
+            with atomic_dir(directory) as tmp:
+                self.write_model(model, tmp)
+                if tokenizer:
+                    self.tokenizer.save(tmp)
+        if self.distributed:
+            torch.distributed.barrier()
+
+    def save(self) -> Path | None:
+        """Distributed adapter runs: a DCP checkpoint of the trained tensors (the frozen base is the base
+        checkpoint's) with the gathered PEFT adapter as `model/`; resumable at any world size."""
+        if not self.distributed or self.method == "full":
+            return super().save()
+        from glm5.train.parallel_ckpt import save_train_checkpoint
+        return save_train_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self.trainer_state(),
+                                     to_dict(self.cfg), self.cfg.checkpoint.keep_last,
+                                     export=self.export_trained, trainable_only=True)

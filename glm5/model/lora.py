@@ -281,10 +281,20 @@ def remove_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def base_tensor(model: nn.Module, t: Target) -> torch.Tensor:
+    """The base tensor a target adapts ([out, in], or [E, out, in] for experts), without the adapter
+    (read as stored: no delta is computed, so it works on a meta-device model too)."""
+    mod = model.get_submodule(t.name)
+    if t.param is None:
+        return mod.base_layer.weight if isinstance(mod, WrappedLinear) else mod.weight
+    if parametrize.is_parametrized(mod, t.param):
+        return mod.parametrizations[t.param].original
+    return getattr(mod, t.param)
+
+
 def base_shape(model: nn.Module, t: Target) -> list[int]:
     """Shape of the base tensor a target adapts ([out, in], or [E, out, in] for experts)."""
-    mod = model.get_submodule(t.name)
-    return list((mod.weight if t.param is None else getattr(mod, t.param)).shape)
+    return list(base_tensor(model, t).shape)
 
 
 def trainable_report(model: nn.Module) -> dict:

@@ -207,13 +207,12 @@ def expected_tensors(model: torch.nn.Module, targets: list[Target]) -> dict[str,
     depth = _expert_nesting(targets)
     out = {}
     for t in targets:
-        mod = model.get_submodule(t.name)
         if t.param is None:
-            w = mod.weight
-            in_f, out_f, k = w.shape[1], w.shape[0], t.r
+            out_f, in_f = base_shape(model, t)
+            k = t.r
             base = f"{PREFIX}{t.name}"
         else:
-            E, out_f, in_f = getattr(mod, t.param).shape
+            E, out_f, in_f = base_shape(model, t)
             k = t.r * E
             base = f"{PREFIX}{t.name}" + ".base_layer" * depth[(t.name, t.param)]
         out[f"{base}.lora_A.weight"] = (t, "A", [k, in_f])

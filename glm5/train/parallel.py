@@ -110,6 +110,15 @@ def mesh_shape(world: int, dp: int = 0, ep: int = 1, tp: int = 1, pp: int = 1) -
     return {"pp": pp, "dp": dp, "ep": ep, "tp": tp}
 
 
+def data_coords(par, rank: int, world: int) -> tuple[int, int]:
+    """(data rank, data degree) of `rank` on the mesh `par` (a `ParallelConfig`) describes, before the
+    mesh exists (fine-tuning builds its data first): the same as `ParallelPlan.data_rank` /
+    `data_world`. The mesh is ("pp", "dp", "ep", "tp") row-major, so tp peers are neighbours."""
+    shape = mesh_shape(world, par.data_parallel, par.expert_parallel, par.tensor_parallel, par.pipeline_parallel)
+    data_world = shape["dp"] * shape["ep"]
+    return (rank // shape["tp"]) % data_world, data_world
+
+
 def check_model(cfg: ModelConfig, shape: dict[str, int], stages: int = 1) -> None:
     """Refuse a model that the mesh cannot split evenly (before any compute)."""
     ep = shape["ep"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from glm5.core import dist as gdist
-from glm5.core.io import atomic_dir, atomic_write_text
+from glm5.core.io import CheckpointError, atomic_dir, atomic_write_text
 from glm5.model.hf_adapter import save_pretrained
 from glm5.model.model import GLM5ForCausalLM
 
@@ -48,8 +49,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Path:
-    """Collective: all ranks call it. Writes `path` (a directory) atomically; returns it."""
+def trainable_names(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             trainable_only: bool = False) -> Path:
+    """Collective: all ranks call it. Writes `path` (a directory) atomically; returns it. With
+    `trainable_only` the model part holds only the parameters that train (a fine-tuning run's adapters:
+    the frozen base is its base checkpoint's, not rewritten at every checkpoint)."""
     final = Path(path)
     tmp = final.with_name(f".tmp-{final.name}")
     if gdist.is_main():
@@ -61,6 +69,9 @@ def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model)}
+    if trainable_only:  # the trained parameters and the (small) buffers, e.g. the routers' correction bias
+        keep = trainable_names(model) | {n for n, _ in model.named_buffers()}
+        state["model"] = {k: v for k, v in state["model"].items() if k in keep}
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if gdist.is_main():
@@ -79,23 +90,39 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     Parameters that never had a gradient before the save (e.g. the DSA indexer outside its warm-up)
     have no optimizer state in the checkpoint; they get none after the load either, as in the run
     that wrote it (`get_state_dict` would otherwise invent a zero state with step 1 for them).
+
+    A checkpoint that holds only the trainable parameters (`save_dcp(trainable_only=True)`) loads
+    those and leaves the frozen rest as built; one that lacks a trainable parameter is refused naming it.
     """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a distributed checkpoint (no .metadata)")
+    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": _saved_part(get_model_state_dict(model), saved, model, path)}
         dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         return
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    model_sd = _saved_part(model_sd, saved, model, path)
     optim_sd["state"] = {fqn: st for fqn, st in optim_sd["state"].items()
                          if all(f"optim.state.{fqn}.{k}" in saved for k in st)}
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+
+
+def _saved_part(model_sd: dict, saved: set[str], model: nn.Module, path: Path) -> dict:
+    """The entries of `model_sd` the checkpoint holds; every missing one must be a frozen parameter (a
+    trainable-only checkpoint), else CheckpointError naming it."""
+    missing = [k for k in model_sd if f"model.{k}" not in saved]
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    lost = [k for k in missing if k not in frozen]
+    if lost:
+        raise CheckpointError(f"{path}: the checkpoint has no {lost[0]!r} (and {len(lost) - 1} more), which this "
+                              "run needs: it was written by another model or method")
+    return {k: v for k, v in model_sd.items() if k not in missing}
 
 
 def _full_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -149,9 +176,12 @@ def _state_name(rank: int) -> str:
 
 
 def save_train_checkpoint(ckpt_root: str | Path, step: int, model: nn.Module, optimizer, trainer_state: dict,
-                          config: dict, keep_last: int = 3, hf: bool = True) -> Path:
+                          config: dict, keep_last: int = 3, hf: bool = True,
+                          export: Callable[[Path], None] | None = None, trainable_only: bool = False) -> Path:
     """Collective: write `ckpt_root/step_<step>` (layout in the module docstring) atomically, then keep
-    only the newest `keep_last` step directories. `trainer_state` is this rank's."""
+    only the newest `keep_last` step directories. `trainer_state` is this rank's. `export(dir)`
+    (collective) writes `model/` instead of the HF export (fine-tuning: the gathered adapter);
+    `trainable_only`: see `save_dcp`."""
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"step_{step:08d}"
     tmp = ckpt_root / f".tmp-{final.name}"
@@ -159,8 +189,10 @@ def save_train_checkpoint(ckpt_root: str | Path, step: int, model: nn.Module, op
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    save_dcp(tmp / "dcp", model, optimizer)
-    if hf:
+    save_dcp(tmp / "dcp", model, optimizer, trainable_only)
+    if export is not None:
+        export(tmp / "model")
+    elif hf:
         export_hf(model, tmp / "model")
     save_state({"step": step, **trainer_state, "rng": rng_state()}, tmp, _state_name(gdist.rank()))
     if gdist.is_main():

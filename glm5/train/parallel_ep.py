@@ -22,8 +22,21 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.utils import parametrize
 
+from glm5.model.lora import EXPERT_PARAMS, ExpertLoRA
 from glm5.model.moe import Experts, MoE, grouped_swiglu
+
+
+def _expert_lora(experts: nn.Module, name: str) -> ExpertLoRA | None:
+    """The LoRA parametrization of `experts.<name>`, if any (glm5.model.lora.ExpertLoRA)."""
+    if not parametrize.is_parametrized(experts, name):
+        return None
+    chain = list(experts.parametrizations[name])
+    if len(chain) != 1 or not isinstance(chain[0], ExpertLoRA):
+        raise ValueError(f"expert parallel: {name} carries parametrizations {[type(c).__name__ for c in chain]}; "
+                         "only one LoRA adapter (ExpertLoRA) can be sharded")
+    return chain[0]
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -43,7 +56,10 @@ class EPExperts(nn.Module):
     """This rank's L = E / ep routed experts; dispatches tokens to their owners and combines the results.
 
     `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] are DTensors sharded on dim 0 over the EP mesh
-    (the local tensor is [L, 2I, H] / [L, H, I], experts [rank * L, (rank + 1) * L)).
+    (the local tensor is [L, 2I, H] / [L, H, I], experts [rank * L, (rank + 1) * L)). A LoRA-adapted
+    source (`ExpertLoRA` parametrization, glm5/model/lora.py) stays adapted: its A [E, r, in] and
+    B [E, out, r] are sharded the same way, so this rank trains only its experts' adapters, and the
+    parameter names (`parametrizations.<name>.original`, `.0.lora_A`) are the single-process ones.
     """
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
@@ -56,11 +72,28 @@ class EPExperts(nn.Module):
                              f"parallel.expert_parallel={self.ep_size}")
         self.n_local = self.n_experts // self.ep_size
         lo, hi = self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(experts, name).detach()
-            local = full[lo:hi].clone()  # every rank holds identical full weights: no scatter needed
-            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            setattr(self, name, nn.Parameter(dt, requires_grad=getattr(experts, name).requires_grad))
+        for name in EXPERT_PARAMS:
+            adapter = _expert_lora(experts, name)
+            base = experts.parametrizations[name].original if adapter is not None else getattr(experts, name)
+            local = base.detach()[lo:hi].clone()  # every rank holds identical full weights: no scatter needed
+            setattr(self, name, nn.Parameter(self._shard(local), requires_grad=base.requires_grad))
+            if adapter is not None:  # LoRA: this rank trains only its experts' A/B slices
+                parametrize.register_parametrization(self, name, self._local_adapter(adapter, lo, hi), unsafe=True)
+
+    def _shard(self, local: torch.Tensor) -> DTensor:
+        """This rank's expert slice [L, ...] as the full [E, ...] tensor sharded on dim 0 over "ep"."""
+        return DTensor.from_local(local, self.ep_mesh, [Shard(0)], run_check=False)
+
+    def _local_adapter(self, adapter: ExpertLoRA, lo: int, hi: int) -> ExpertLoRA:
+        """The same `ExpertLoRA` (same parameter names, full [E, ...] shapes for checkpoints and the PEFT
+        gather) whose A [E, r, in] / B [E, out, r] are sharded on the expert dimension like the base."""
+        E, r, in_f = adapter.lora_A.shape
+        out = ExpertLoRA(torch.Size((hi - lo, adapter.lora_B.shape[1], in_f)), r, adapter.alpha,
+                         adapter.use_rslora, device="meta")
+        for which in ("lora_A", "lora_B"):
+            src = getattr(adapter, which)
+            setattr(out, which, nn.Parameter(self._shard(src.detach()[lo:hi].clone()), requires_grad=src.requires_grad))
+        return out
 
     def _local(self, p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if isinstance(p, DTensor) else p

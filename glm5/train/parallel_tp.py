@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from glm5.model.attention import MLAttention
 from glm5.model.config import ModelConfig
 from glm5.model.layers import SwiGLU
+from glm5.model.lora import LoRALinear
 from glm5.model.moe import MoE
 
 
@@ -57,6 +58,12 @@ class _GradAllReduce(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def grad_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward, gradient summed over `group` backward: for a replicated tensor that joins
+    head-sharded computation outside the regions this plan reduces (fine-tuning's MLA prefix entries)."""
+    return _GradAllReduce.apply(x, group)
 
 
 class _ReplicateKeepPartial(torch.autograd.Function):
@@ -160,19 +167,96 @@ class TokenParallel:
         return _TokenGather.apply(output, self.group, self.rank, self.size)
 
 
-def _mlp_plan(prefix: str) -> dict:
+def _mlp_plan(prefix: str, adapted: bool = False) -> dict:
     """Column-parallel gate/up, row-parallel down; one input all-reduce in backward (the DTensor input
-    collects both partial gradients before it is reduced)."""
+    collects both partial gradients before it is reduced). With LoRA on the MLP (`adapted`) the input
+    stays a plain tensor (the adapters' replicated A cannot take a DTensor) and gate and up each reduce
+    their input gradient: one more all-reduce per MLP in backward."""
+    if adapted:
+        return {f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
+                f"{prefix}.down_proj": RowwiseParallel()}
     return {prefix: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
                                        use_local_output=False),
             f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
             f"{prefix}.down_proj": RowwiseParallel()}
 
 
+class _PartialGrad(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the TP degree. On a LoRA branch whose base
+    layer leaves its input gradient partial (kv_b_proj): the branch's own input gradient is complete on
+    every rank, so each rank hands back its 1/P share of the sum that is all-reduced once upstream."""
+
+    @staticmethod
+    def forward(ctx, x, size):
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+class _ColwiseLoRALinear(LoRALinear):
+    """A LoRALinear whose base and B are column-parallel (set by `_lora_styles`, a class swap: the
+    forward is LoRALinear's). Its `.weight` (read by absorbed MLA) lifts the replicated A onto B's mesh
+    as a Replicate DTensor: B A is then this rank's rows, and A's gradient, partial on each rank, is
+    all-reduced in backward."""
+
+    def delta_weight(self) -> torch.Tensor:
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if isinstance(b, DTensor) and not isinstance(a, DTensor):
+            a = DTensor.from_local(a, b.device_mesh, [Replicate()] * b.device_mesh.ndim, run_check=False)
+        return (b @ a) * self.scaling
+
+
+def _lora_styles(root: nn.Module, plan: dict, size: int) -> dict:
+    """`plan` with every LoRALinear target split consistently with its base weight: the base layer takes
+    the style; column-parallel base -> B [out, r] column-parallel too (sharded on out), A replicated;
+    row-parallel base -> A [r, in] row-parallel (sharded on in, its [.., r] output all-reduced), B
+    replicated. The rank r is never split. Replicated adapters get identical gradients on every TP rank
+    (their inputs and output gradients are replicated), as the replicated base parameters do."""
+    out = {}
+    for name, style in plan.items():
+        mod = root.get_submodule(name)
+        if not isinstance(mod, LoRALinear):
+            out[name] = style
+            continue
+        out[f"{name}.base_layer"] = style
+        if isinstance(style, RowwiseParallel):
+            out[f"{name}.lora_A"] = RowwiseParallel()
+        else:
+            out[f"{name}.lora_B"] = ColwiseParallel(output_layouts=style.output_layouts[0],
+                                                    use_local_output=style.use_local_output)
+            mod.__class__ = _ColwiseLoRALinear
+            if isinstance(style, _ColwiseKeepPartial):
+                mod.lora_A.register_forward_pre_hook(lambda m, args: (_PartialGrad.apply(args[0], size),))
+    return out
+
+
+def check_lora_tp(model: nn.Module, tp: int) -> None:
+    """Refuse, before any compute, LoRA adapters that `tensor_parallel = tp` cannot split like their base
+    weights (the output dimension of a column-parallel target, the input of a row-parallel one)."""
+    if tp <= 1:
+        return
+    for name, mod in model.named_modules():
+        if not isinstance(mod, LoRALinear):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        dim = {"q_b_proj": "out", "kv_b_proj": "out", "gate_proj": "out", "up_proj": "out", "lm_head": "out",
+               "o_proj": "in", "down_proj": "in"}.get(leaf)
+        if dim is None or (".indexer." in name):
+            continue  # replicated under TP (q_a_proj, kv_a_proj_with_mqa, the indexer): nothing to split
+        n = mod.out_features if dim == "out" else mod.in_features
+        if n % tp:
+            raise ValueError(f"parallel.tensor_parallel={tp} does not divide LoRA target {name}'s "
+                             f"{dim}_features={n} (its lora_{'B' if dim == 'out' else 'A'} is split on it)")
+
+
 def _attention(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
     P, group = tp_mesh.size(), tp_mesh.get_group()
-    parallelize_module(attn, tp_mesh, {"q_b_proj": ColwiseParallel(), "kv_b_proj": _ColwiseKeepPartial(),
-                                       "o_proj": RowwiseParallel()})
+    parallelize_module(attn, tp_mesh, _lora_styles(attn, {"q_b_proj": ColwiseParallel(),
+                                                          "kv_b_proj": _ColwiseKeepPartial(),
+                                                          "o_proj": RowwiseParallel()}, P))
     rank = attn.kv_rank
 
     def rope_slice(module, args, out):  # [.., R + P]: only the rope key goes to the heads unprojected
@@ -181,6 +265,10 @@ def _attention(attn: MLAttention, tp_mesh: DeviceMesh) -> None:
     attn.kv_a_proj_with_mqa.register_forward_hook(rope_slice)
     attn.kv_a_layernorm.register_forward_hook(lambda m, a, out: _GradAllReduce.apply(out, group))
     attn.n_heads = attn.n_heads // P  # the model's views now see this rank's heads
+
+
+def _adapted(mlp: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in mlp.children())
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
@@ -192,15 +280,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if hasattr(model, "lm_head"):
         plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, tp_mesh, plan)
+    check_lora_tp(model, P)
+    parallelize_module(model, tp_mesh, _lora_styles(model, plan, P))
     tokens = TokenParallel(tp_mesh)
     layers = model.model.layers
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         _attention(layer.self_attn, tp_mesh)
         if isinstance(layer.mlp, SwiGLU):
-            parallelize_module(layer, tp_mesh, _mlp_plan("mlp"))
+            parallelize_module(layer, tp_mesh, _lora_styles(layer, _mlp_plan("mlp", _adapted(layer.mlp)), P))
         elif isinstance(layer.mlp, MoE):
-            parallelize_module(layer, tp_mesh, _mlp_plan("mlp.shared_experts"))
+            shared = _mlp_plan("mlp.shared_experts", _adapted(layer.mlp.shared_experts))
+            parallelize_module(layer, tp_mesh, _lora_styles(layer, shared, P))
             layer.mlp.experts.register_forward_pre_hook(tokens.pre, with_kwargs=True)
             layer.mlp.experts.register_forward_hook(tokens.post)
     return model

@@ -1,0 +1,294 @@
+"""Fine-tuning on the distributed mesh (2 gloo processes, CPU, tiny config) against one process.
+
+* gradients: LoRA on attention, indexer, dense/shared MLP and routed experts, sharded by FSDP2, expert
+  parallel or tensor parallel: loss and every adapter gradient equal the single-process ones;
+* the trainer: `FinetuneTrainer` losses and the saved adapter equal the single-process run; the adapter
+  written by the 2-process run loads in PEFT on transformers' GlmMoeDsaForCausalLM with the same logits;
+  a run interrupted at step 2 and resumed from its DCP checkpoint (2 processes, or 1) gives the
+  uninterrupted run's losses;
+* the gather / assembly and the mesh refusals without processes (default suite).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from glm5.core.config import from_dict
+from glm5.core.resources import bundled
+from glm5.data.tokenizer import load_tokenizer
+from glm5.finetune.adapters import GLM5AdapterModel, from_pretrained
+from glm5.finetune.config import FinetuneConfig
+from glm5.model.hf_adapter import save_pretrained
+from glm5.model.lora import LoraConfig
+
+from ._tiny import tiny_config, tiny_model
+
+ALL = ["attn", "indexer", "mlp", "experts"]
+WORLD, ROWS, STEPS = 2, 4, 4
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+
+
+# --- gradients of the sharded model --------------------------------------------------------------------
+def _adapted_model() -> GLM5AdapterModel:
+    torch.manual_seed(0)
+    model = GLM5AdapterModel(tiny_config(index_topk=16)).init_weights(0)
+    torch.manual_seed(1)
+    model.add_lora(LoraConfig(r=4, alpha=8, targets=ALL))
+    with torch.no_grad():  # B != 0: every A gets a gradient too
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model.train()
+
+
+def _ids() -> torch.Tensor:  # 80 tokens over index_topk = 16: sparse layers read kv_b_proj.weight (absorbed MLA)
+    return torch.randint(2, 512, (ROWS, 80), generator=torch.Generator().manual_seed(3))
+
+
+def _loss_and_grads(model, ids, context=contextlib.nullcontext, scale=1.0):
+    from torch.distributed.tensor import DTensor
+
+    from glm5.train.step import ce_sum
+    with context():
+        loss = ce_sum(model(input_ids=ids).logits[:, :-1], ids[:, 1:])
+        (loss * scale).backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[n] = g.detach().clone()
+    return float(loss.detach()), grads
+
+
+def _grad_worker(rank: int, port: int, parallel: dict, out: str) -> None:
+    _env(rank, port)
+    torch.distributed.init_process_group("gloo")
+    try:
+        from glm5.train.parallel import apply_parallel
+        model = apply_parallel(_adapted_model(), **parallel)
+        plan = model.parallel_plan
+        ids = _ids().chunk(plan.data_world)[plan.data_rank]
+        # FSDP averages gradients over the data ranks: scale to the single process's sum
+        loss, grads = _loss_and_grads(model, ids, plan.loss_context, float(plan.data_world))
+        total = torch.tensor([loss], dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        if rank == 0:
+            torch.save({"loss": float(total) / plan.tp, "grads": grads}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}, {"tp": 2}], ids=["fsdp", "ep", "tp"])
+def test_sharded_lora_gradients_equal_one_process(tmp_path, parallel):
+    loss, grads = _loss_and_grads(_adapted_model(), _ids())
+    mp.spawn(_grad_worker, args=(_port(), parallel, str(tmp_path / "out.pt")), nprocs=WORLD, join=True)
+    got = torch.load(tmp_path / "out.pt")
+    assert abs(got["loss"] - loss) <= 1e-5 * abs(loss)
+    assert set(got["grads"]) == set(grads) and any("experts.parametrizations" in n for n in grads)
+    for n, g in grads.items():
+        assert got["grads"][n].shape == g.shape, n
+        assert (got["grads"][n] - g).abs().max() <= 1e-5 * max(1.0, float(g.abs().max())), n
+
+
+# --- the trainer ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny base checkpoint with the bundled tokenizer and 30 training conversations."""
+    root = tmp_path_factory.mktemp("ftdist")
+    save_pretrained(tiny_model(seed=1, vocab_size=8192, num_hidden_layers=2, index_topk=8), root / "base")
+    load_tokenizer(bundled("tokenizer-8k")).save(root / "base")
+    with gzip.open(bundled("sft/train.jsonl.gz"), "rt", encoding="utf-8") as f:
+        (root / "train.jsonl").write_text("".join(f.readlines()[::45]))
+    return root
+
+
+def _cfg(base: Path, run: Path, rows: int, steps: int = STEPS, resume: str = "", method: str = "lora",
+         **parallel) -> FinetuneConfig:
+    return from_dict(FinetuneConfig, {
+        "method": method, "model": {"name": str(base / "base")},
+        "data": {"train_path": str(base / "train.jsonl"), "val_path": "", "batch_size": rows, "seq_len": 48,
+                 "pack": method != "prefix"},
+        "lora": {"r": 4, "alpha": 8, "targets": ALL}, "prefix": {"num_virtual_tokens": 4},
+        "optim": {"lr": 3e-3}, "train": {"steps": steps, "num_threads": 1},
+        "parallel": {"backend": "gloo", **parallel}, "checkpoint": {"every": 2, "resume": resume},
+        "log": {"run_dir": str(run), "progress": False, "eval_batches": 0, "measure_peak": False}})
+
+
+def _fit(cfg: FinetuneConfig) -> list[float]:
+    from glm5.finetune.trainer import FinetuneTrainer
+    trainer = FinetuneTrainer(cfg)
+    trainer.fit()
+    return [h["loss"] for h in trainer.history]
+
+
+def _fit_worker(rank: int, port: int, cfg: FinetuneConfig, out: str) -> None:
+    _env(rank, port)
+    try:
+        losses = _fit(cfg)
+        if rank == 0:
+            Path(out).write_text(json.dumps(losses))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _spawn(cfg: FinetuneConfig) -> list[float]:
+    out = Path(cfg.log.run_dir) / "losses.json"
+    mp.spawn(_fit_worker, args=(_port(), cfg, str(out)), nprocs=WORLD, join=True)
+    return json.loads(out.read_text())
+
+
+def _close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+def _adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "adapter_model.safetensors")
+
+
+@pytest.mark.slow
+def test_fsdp_lora_matches_one_process_resumes_and_loads_in_peft(base, tmp_path):
+    ref = _fit(_cfg(base, tmp_path / "one", ROWS))
+    dist = _spawn(_cfg(base, tmp_path / "fsdp", ROWS // WORLD))
+    assert _close(dist, ref), (dist, ref)
+    a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "fsdp")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    assert json.loads((tmp_path / "fsdp/final/adapter_config.json").read_text()) == \
+        json.loads((tmp_path / "one/final/adapter_config.json").read_text())
+    # the checkpoints hold the adapters (DCP) and the gathered PEFT adapter, not the base
+    step2 = tmp_path / "fsdp" / "checkpoints" / "step_00000002"
+    assert (step2 / "model" / "adapter_model.safetensors").is_file() and not (step2 / "model" / "config.json").exists()
+    # resumed from step 2 on the same mesh: bit-exact; on one process (DCP reshards): the same losses
+    again = _spawn(_cfg(base, tmp_path / "again", ROWS // WORLD, resume=str(step2)))
+    assert again == dist[2:], (again, dist)
+    alone = _fit(_cfg(base, tmp_path / "alone", ROWS, resume=str(step2)))
+    assert _close(alone, dist[2:]), (alone, dist)
+    # the 2-process adapter in PEFT on transformers
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base / "base", attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    theirs_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "fsdp" / "final")).eval()
+    ours_model = from_pretrained(base / "base", adapter=tmp_path / "fsdp" / "final")
+    x = torch.randint(2, 8192, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours, theirs = ours_model(x).logits, theirs_model(x).logits
+    assert (ours - theirs).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"expert_parallel": 2}, {"tensor_parallel": 2}], ids=["ep", "tp"])
+def test_ep_tp_lora_match_one_process_and_resume_on_one(base, tmp_path, parallel):
+    ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3))
+    rows = ROWS if "tensor_parallel" in parallel else ROWS // WORLD  # TP peers read the same rows
+    dist = _spawn(_cfg(base, tmp_path / "dist", rows, steps=3, **parallel))
+    assert _close(dist, ref), (dist, ref)
+    a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    # its step-2 DCP checkpoint (experts' / heads' adapter shards) resumed in one process
+    step2 = tmp_path / "dist" / "checkpoints" / "step_00000002"
+    alone = _fit(_cfg(base, tmp_path / "alone", ROWS, steps=3, resume=str(step2)))
+    assert _close(alone, dist[2:]), (alone, dist)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,parallel", [("prefix", {"expert_parallel": 2}), ("prefix", {"tensor_parallel": 2}),
+                                             ("full", {"expert_parallel": 2})],
+                         ids=["prefix_ep", "prefix_tp", "full_ep"])
+def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, parallel):
+    ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, method=method))
+    rows = ROWS if "tensor_parallel" in parallel else ROWS // WORLD
+    dist = _spawn(_cfg(base, tmp_path / "dist", rows, steps=3, method=method, **parallel))
+    assert _close(dist, ref), (dist, ref)
+    if method == "prefix":
+        a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
+    else:  # the whole model, HF layout
+        from glm5.core.io import LazyTensors, safetensors_files
+        a, b = (LazyTensors(safetensors_files(tmp_path / d / "final")).load_all() for d in ("one", "dist"))
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+
+
+# --- without processes ---------------------------------------------------------------------------------
+def test_assembled_adapter_is_the_single_process_layout(tmp_path):
+    """`gather_trainable` + `assemble` (what rank 0 writes) rebuild the PEFT files of the trained model."""
+    from glm5.finetune.parallel import assemble, gather_trainable
+    from glm5.model import peft_adapter
+    model = _adapted_model()
+    cfg = from_dict(FinetuneConfig, {"lora": {"r": 4, "alpha": 8, "targets": ALL}})
+    shadow = assemble(cfg, model.config, gather_trainable(model), "base")
+    peft_adapter.save_adapter(model, tmp_path / "direct", "base")
+    peft_adapter.save_adapter(shadow, tmp_path / "assembled", "base")
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("direct", "assembled"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "direct/adapter_config.json").read_text()) == \
+        json.loads((tmp_path / "assembled/adapter_config.json").read_text())
+    wrong = from_dict(FinetuneConfig, {"lora": {"r": 2, "alpha": 8, "targets": ALL}})
+    with pytest.raises(ValueError, match="has shape"):
+        assemble(wrong, model.config, gather_trainable(model), "base")
+
+
+def test_meshes_that_cannot_hold_the_adapters_are_refused():
+    from glm5.finetune.parallel import check_mesh
+    from glm5.train.parallel import check_model
+    from glm5.train.parallel_tp import check_lora_tp
+    with pytest.raises(ValueError, match="parallel.pipeline_parallel=2"):
+        check_mesh(from_dict(FinetuneConfig, {"parallel": {"pipeline_parallel": 2}}))
+    check_mesh(from_dict(FinetuneConfig, {"method": "full", "parallel": {"pipeline_parallel": 2}}))
+    with pytest.raises(ValueError, match="n_routed_experts=6"):
+        check_model(tiny_config(n_routed_experts=6), {"pp": 1, "dp": 1, "ep": 4, "tp": 1})
+    model = GLM5AdapterModel(tiny_config(num_attention_heads=3, qk_nope_head_dim=15))
+    model.add_lora(LoraConfig(r=4, targets=["attn"]))
+    with pytest.raises(ValueError, match=r"q_b_proj's out_features=69"):
+        check_lora_tp(model, 2)
+
+
+def test_merge_on_a_sharded_base(tmp_path):
+    """`glm5 merge` on a multi-file base (index + shards): the merged checkpoint is sharded too and
+    computes what base + adapter compute."""
+    from glm5.cli.merge import main as merge_main
+    from glm5.core.io import safetensors_files
+    save_pretrained(tiny_model(seed=2), tmp_path / "base", max_shard_size="400KB")
+    assert (tmp_path / "base/model.safetensors.index.json").is_file() and len(safetensors_files(tmp_path / "base")) > 2
+    model = from_pretrained(tmp_path / "base")
+    model.add_lora(LoraConfig(r=4, alpha=8, targets=ALL))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    model.save_adapter(tmp_path / "adapter")
+    assert merge_main([str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    assert len(safetensors_files(tmp_path / "merged")) > 2
+    x = torch.randint(2, 512, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        merged = from_pretrained(tmp_path / "merged")(x).logits
+        adapted = from_pretrained(tmp_path / "base", adapter=tmp_path / "adapter")(x).logits
+    assert (merged - adapted).abs().max() <= 1e-5
+
+
+def test_cli_refuses_pipelined_adapters_in_one_line(base, tmp_path, capsys):
+    from glm5.finetune.launch import main
+    rc = main(["--config", "configs/finetune/lora.toml", f"--model.name={base}/base", f"--log.run_dir={tmp_path}",
+               "--parallel.pipeline_parallel=2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "parallel.pipeline_parallel=2" in err, err
