@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from glm5.core import dist
-from glm5.core.config import to_dict
 from glm5.core.io import atomic_dir
 from glm5.core.resources import bundled, resolve_path
 from glm5.data.tokenizer import load_tokenizer
+from glm5.train.checkpointer import Checkpointer, DCPCheckpointer
 from glm5.train.trainer import Trainer
 
 from glm5.model import peft_adapter
@@ -82,7 +82,7 @@ class FinetuneTrainer(Trainer):
         self.base = model.name_or_path
         report = model.trainable_report()  # before sharding: the single-process counts
         super().__init__(cfg, model=model.train(), data=data, parallelize_fn=parallelize)
-        assert (self.data_rank, self.data_world) == coords, "data_coords disagrees with the mesh"
+        assert (self.dims.data_rank, self.dims.data_world) == coords, "data_coords disagrees with the mesh"
         dist.print0(f"finetune ({self.method}): {report['trainable_params']:,} trainable of "
                     f"{report['total_params']:,} parameters ({report['trainable_fraction']:.3%}), "
                     f"lr {cfg.optim.lr:.2e}")
@@ -116,6 +116,14 @@ class FinetuneTrainer(Trainer):
         else:
             super().read_model(model, directory)
 
+    def build_checkpointer(self) -> Checkpointer:
+        """Adapters on the mesh: DCP checkpoints of the trained tensors only (the frozen base is the base
+        checkpoint's) with the gathered PEFT adapter as each checkpoint's `model/`, resumable at any world size."""
+        if self.distributed and self.method != "full":
+            return DCPCheckpointer(self.model, self.raw_model, self.optimizer, export=self.export_trained,
+                                   trainable_only=True)
+        return super().build_checkpointer()
+
     def save_final(self) -> Path | None:
         """`RUN_DIR/final`: the adapter (lora/prefix) or the full model, plus the tokenizer."""
         if self.distributed and self.method == "full":
@@ -141,13 +149,3 @@ class FinetuneTrainer(Trainer):
                     self.tokenizer.save(tmp)
         if self.distributed:
             torch.distributed.barrier()
-
-    def save(self) -> Path | None:
-        """Distributed adapter runs: a DCP checkpoint of the trained tensors (the frozen base is the base
-        checkpoint's) with the gathered PEFT adapter as `model/`; resumable at any world size."""
-        if not self.distributed or self.method == "full":
-            return super().save()
-        from glm5.train.parallel_ckpt import save_train_checkpoint
-        return save_train_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self.trainer_state(),
-                                     to_dict(self.cfg), self.cfg.checkpoint.keep_last,
-                                     export=self.export_trained, trainable_only=True)

@@ -82,6 +82,11 @@ class LocalCheckpointer(Checkpointer):
 
 @dataclass
 class DCPCheckpointer(Checkpointer):
+    # a fine-tuning run's adapters: its checkpoints hold only what trains (the frozen base is the base
+    # checkpoint's) and `export(dir)` (collective) writes the gathered adapter as each checkpoint's model/
+    export: Callable[[Path], None] | None = None
+    trainable_only: bool = False
+
     def load_plain(self, path: Path) -> dict:
         raise ValueError(f"{path} is a single-process checkpoint (no dcp/); resume it with one process, "
                          "or start the distributed run from its weights: --model.name=PATH/model")
@@ -89,7 +94,8 @@ class DCPCheckpointer(Checkpointer):
     def save(self, ckpt_root: Path, step: int, state: dict, config: dict, keep_last: int) -> Path | None:
         """Collective: every rank writes its shards."""
         from .parallel_ckpt import save_train_checkpoint
-        return save_train_checkpoint(ckpt_root, step, self.model, self.optimizer, state, config, keep_last)
+        return save_train_checkpoint(ckpt_root, step, self.model, self.optimizer, state, config, keep_last,
+                                     export=self.export, trainable_only=self.trainable_only)
 
     def save_final(self, final: Path, add_files: Callable[[Path], None]) -> Path:
         from .parallel_ckpt import export_hf

@@ -38,7 +38,7 @@ from glm5.model.model import GLM5ForCausalLM
 from . import perf
 from .balance import LoadTracker, find_gates, load_metrics, update_expert_bias
 from .checkpoint import read_hf_model, resume_candidates
-from .checkpointer import make_checkpointer
+from .checkpointer import Checkpointer, make_checkpointer
 from .config import TrainConfig
 from .data import DataSource, build_data
 from .dims import ParallelDims
@@ -136,8 +136,7 @@ class Trainer:
         self.device = torch.device(f"cuda:{dist.local_rank()}" if torch.cuda.is_available() else "cpu")
         self._setup_model(model, parallelize_fn, own_loss=micro_fn is not None)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.checkpointer = make_checkpointer(self.dims, self.model, self.raw_model, self.optimizer,
-                                              self.write_model, self.read_model)
+        self.checkpointer = self.build_checkpointer()
         self._setup_step(micro_fn)
         # data ranks read different rows of the global batch (tensor/pipeline peers share one)
         self.data = data if data is not None else build_data(cfg, self.dims.data_rank, self.dims.data_world)
@@ -154,6 +153,11 @@ class Trainer:
         self._resume(cfg.checkpoint.resume)
 
     # --- setup --------------------------------------------------------------------------------------
+    def build_checkpointer(self) -> Checkpointer:
+        """The checkpoint writer, chosen once from the dims (subclasses choose what their checkpoints hold)."""
+        return make_checkpointer(self.dims, self.model, self.raw_model, self.optimizer, self.write_model,
+                                 self.read_model)
+
     def _setup_model(self, model: torch.nn.Module | None, parallelize_fn, own_loss: bool) -> None:
         """The model (built unless given), placed by the dims (parallelised under torchrun), frozen to
         `train.trainable`; `active_params` for MFU."""
