@@ -25,7 +25,8 @@ def _hand_count(c: ModelConfig, held) -> tuple[int, float]:
     mla_b = sum(held(n, k) for n, k in mla_mats) + 2 * (rq + rkv)
     idx_b = sum(held(n, k) for n, k in idx_mats) + 2 * 2 * di + 4 * H * ni
     dense_b = 2 * held(I, H) + held(H, I)
-    moe_b = E * (2 * held(Ie, H) + held(H, Ie))  # gate and up: two tensors on disk, fused in memory + 2 * held(S * Ie, H) + held(H, S * Ie) + 4 * E * H
+    # routed gate and up are two tensors on disk (fused in memory, each keeps its own fp8 tiles)
+    moe_b = E * (2 * held(Ie, H) + held(H, Ie)) + 2 * held(S * Ie, H) + held(H, S * Ie) + 4 * E * H
     n_dense = c.first_k_dense_replace
     n_moe = c.num_hidden_layers - n_dense
     params = n_dense * (mla + idx + dense + 2 * H) + n_moe * (mla + idx + moe + 2 * H) + 2 * V * H + H
