@@ -142,6 +142,11 @@ def test_lora_gradients_equal_those_on_the_dequantised_base(base_dir, kind):
     for n, g in ours.items():
         assert torch.allclose(g, theirs[n], rtol=1e-4, atol=1e-7), n
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    lora.remove_lora(model)  # only the adapters go: the int8 / fp8 storage stays, read as before
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, load_base(base_dir, kind)(ids).logits)
+    with pytest.raises(ValueError, match="held in another form"):
+        lora.merge_lora(lora.apply_lora(model, lora.resolve_targets(model, cfg)))
 
 
 def test_base_memory_is_about_a_quarter_of_fp32(base_dir):
