@@ -17,7 +17,7 @@ from glm5.core.resources import bundled
 from glm5.data.tokenizer import load_tokenizer
 from glm5.finetune.adapters import from_pretrained
 from glm5.finetune.config import FinetuneConfig, FinetuneModelSection
-from glm5.finetune.quant_base import base_bytes, load_base, quant_targets
+from glm5.finetune.quant_base import base_bytes, load_base, quant_targets, quantize_base
 from glm5.model import lora
 from glm5.model.hf_adapter import quantize_fp8, save_pretrained
 from glm5.model.model import GLM5ForCausalLM
@@ -112,6 +112,11 @@ def test_quantised_forward_equals_the_dequantised_model(base_dir, fp8_dir, kind,
         plain = load_base(base_dir, "none")(ids).logits
     assert (ours - theirs).abs().max() <= 1e-5
     assert (ours - plain).abs().max() > 1e-4  # quantisation did change the weights
+    if src == "fp32":  # a model already in memory, quantised in place: the same storage
+        again = quantize_base(load_base(base_dir, "none"), kind)
+        assert again.state_dict().keys() == model.state_dict().keys()
+        assert all(torch.equal(a.float(), b.float()) for a, b in zip(again.state_dict().values(),
+                                                                     model.state_dict().values()))
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
