@@ -187,6 +187,10 @@ def load_hf_state_dict(model: GLM5ForCausalLM, tensors: LazyTensors, strict: boo
     held quantised (by our name), fed through their `WeightStore` instead of copied."""
     reader = _Reader(tensors, model.config)
     stores = stores or {}
+    held = {re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", n) for n, _ in model.named_parameters()
+            if n.endswith(".original")}
+    if held - set(stores):
+        raise ValueError(f"parametrized weights without a WeightStore to load them: {sorted(held - set(stores))[:5]}")
     targets = {n: p for n, p in model.named_parameters() if ".parametrizations." not in n}
     targets.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
     for name, dst in targets.items():
