@@ -43,6 +43,11 @@ METHODS = {  # name -> config overrides
                   "--model.base_quant=int8"],
     "lora_fp8": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
                  "--model.base_quant=fp8"],
+    # ... and with activation checkpointing (autograd then keeps one layer's dequantised weights, not all)
+    "lora_ckpt": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
+                  "--precision.activation_checkpointing=true"],
+    "lora_int8_ckpt": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
+                       "--model.base_quant=int8", "--precision.activation_checkpointing=true"],
     "prefix": ["--method=prefix", "--data.pack=false", "--prefix.num_virtual_tokens=16"],
     "full_8bit": ["--method=full", "--optim.name=adamw8bit", "--precision.activation_checkpointing=true"],
     "full_fp32adamw": ["--method=full", "--optim.name=adamw", "--precision.activation_checkpointing=true"],
