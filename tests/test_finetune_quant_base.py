@@ -19,7 +19,7 @@ from glm5.finetune.adapters import from_pretrained
 from glm5.finetune.config import FinetuneConfig, FinetuneModelSection
 from glm5.finetune.quant_base import base_bytes, load_base, quant_targets, quantize_base
 from glm5.model import lora
-from glm5.model.hf_adapter import quantize_fp8, save_pretrained
+from glm5.model.hf_adapter import fp8_to_float, quantize_fp8, save_pretrained
 from glm5.model.model import GLM5ForCausalLM
 
 from ._tiny import tiny_model
@@ -77,6 +77,14 @@ def _dequantised(chain) -> torch.Tensor:
                     cols = slice(c * bi, min((c + 1) * bi, k))
                     w[idx + (rows, cols)] = q[idx + (rows, cols)].float() * scale[idx + (p, r, c)]
     return w
+
+
+def test_fp8_table_conversion_is_torch_conversion():
+    every = torch.arange(256, dtype=torch.uint8)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        w = every[torch.randperm(256)].repeat(3, 2).view(dtype)  # [3, 512]: every byte, NaNs and infs included
+        assert torch.equal(fp8_to_float(w).nan_to_num(), w.float().nan_to_num())
+        assert fp8_to_float(w).isnan().equal(w.float().isnan())
 
 
 def _reference(model) -> GLM5ForCausalLM:

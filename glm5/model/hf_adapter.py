@@ -77,7 +77,17 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     out_f, in_f = w.shape[-2:]
     s = scale_inv.float().repeat_interleave(block[0], -2)[..., :out_f, :]
     s = s.repeat_interleave(block[1], -1)[..., :in_f]
-    return w.float() * s
+    return fp8_to_float(w) * s
+
+
+def fp8_to_float(w: torch.Tensor) -> torch.Tensor:
+    """w.float(); for float8 on CPU through a 256-entry table (the same values, NaNs included): 2.4 vs
+    12.5 ms for a [4, 1536, 576] tensor on one thread of this 2-core machine (the dtype conversion is
+    the cost of dequantising FP8 weights per forward, glm5/finetune/quant_base.py)."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return w.float()
+    table = torch.arange(256, dtype=torch.uint8).view(w.dtype).float()
+    return table.index_select(0, w.reshape(-1).view(torch.uint8).int()).view(w.shape)
 
 
 def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
