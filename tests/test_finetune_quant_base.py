@@ -171,6 +171,12 @@ def test_base_memory_is_about_a_quarter_of_fp32(base_dir):
                    for c in (m.parametrizations[a] for _, m, a, _ in quant_targets(model)))
         assert 0.25 <= held / fp32 < 0.30, (kind, held / fp32)
         assert base_bytes(plain) - base_bytes(model) == fp32 - held  # nothing else changed size
+    bf16 = load_base(base_dir, "fp8", dtype=torch.bfloat16)  # a bf16 compute dtype: storage and scales unchanged
+    chain = bf16.get_submodule("model.layers.1.mlp.experts").parametrizations.gate_up_proj
+    assert chain.original.dtype == torch.float8_e4m3fn and chain[0].scale.dtype == torch.float32
+    assert bf16.get_submodule("model.layers.1.mlp.experts").gate_up_proj.dtype == torch.bfloat16
+    assert torch.equal(chain.original.view(torch.uint8), model.get_submodule(
+        "model.layers.1.mlp.experts").parametrizations.gate_up_proj.original.view(torch.uint8))
 
 
 def _args(root, run, steps, *extra):

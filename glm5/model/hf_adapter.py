@@ -228,7 +228,9 @@ def cast_model(model: GLM5ForCausalLM, dtype: torch.dtype) -> GLM5ForCausalLM:
     """Cast to `dtype`, keeping the router, its bias and the indexer head weights in fp32, and weights held
     quantised (parametrized storage and scales: glm5/finetune/quant_base.py) as they are."""
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".parametrizations." in name or not p.is_floating_point():
+        held = p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (
+            ".parametrizations." in name and name.endswith(".scale"))  # quantised storage and its scales
+        if held or not p.is_floating_point():
             continue
         p.data = p.data.float() if name.endswith(FP32_SUFFIXES) or name.endswith("inv_freq") else p.data.to(dtype)
     return model
