@@ -16,6 +16,8 @@
       (FSDP, expert parallel, tensor parallel) on a fresh `tiny` base, same global batch (8 packed SFT rows
       x 128 tokens): training tokens/s, peak RSS per rank, and the communication share of the profiled
       steps (every other one: the profiler's collective time over the step's wall time).
+  python bench/finetune.py sft   --base EMBEDDED_DIR --methods lora lora_int8 lora_fp8 --steps 12 --minutes 30
+      LoRA on a fp32 vs INT8 vs FP8 frozen base (`model.base_quant`): base bytes, tokens/s, held-out loss.
   python bench/finetune.py serve --base runs/tiny/final [--adapter runs/finetune-lora/final]
       Multi-LoRA serving: the same requests (greedy, fixed length) spread over 4 adapters in one batch vs
       all on the base model; output tokens/s, alternated rounds, median.
@@ -41,6 +43,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 METHODS = {  # name -> config overrides
     "base": ["--method=lora", "--train.steps=1"],  # evaluated before any step: B = 0 is the base model
     "lora": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]'],
+    # the same LoRA on a frozen base held in INT8 / FP8 (model.base_quant; dequantised to fp32 per module)
+    "lora_int8": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
+                  "--model.base_quant=int8"],
+    "lora_fp8": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
+                 "--model.base_quant=fp8"],
+    # ... and with activation checkpointing (autograd then keeps one layer's dequantised weights, not all)
+    "lora_ckpt": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
+                  "--precision.activation_checkpointing=true"],
+    "lora_int8_ckpt": ["--method=lora", "--lora.r=16", "--lora.alpha=32", '--lora.targets=["attn", "mlp", "experts"]',
+                       "--model.base_quant=int8", "--precision.activation_checkpointing=true"],
     "prefix": ["--method=prefix", "--data.pack=false", "--prefix.num_virtual_tokens=16"],
     "full_8bit": ["--method=full", "--optim.name=adamw8bit", "--precision.activation_checkpointing=true"],
     "full_fp32adamw": ["--method=full", "--optim.name=adamw", "--precision.activation_checkpointing=true"],
@@ -117,6 +129,7 @@ def child_sft(a) -> dict:
 
     from glm5.core.config import load_config
     from glm5.finetune.config import FinetuneConfig
+    from glm5.finetune.quant_base import base_bytes
     from glm5.finetune.trainer import FinetuneTrainer
 
     torch.set_num_threads(a.threads) if a.threads else None
@@ -127,7 +140,8 @@ def child_sft(a) -> dict:
         "--log.measure_peak=false", "--checkpoint.every=0", "--checkpoint.at_exit=false",
         f"--log.eval_batches={a.eval_batches}", *METHODS[a.method]])
     trainer = FinetuneTrainer(cfg)
-    report = trainer.raw_model.trainable_report()
+    report = {**trainer.raw_model.trainable_report(), "base_bytes": base_bytes(trainer.raw_model),
+              "load_rss_mb": _peak_rss_mb()}
     if a.method == "base":
         val = trainer.evaluate()
         return {"method": a.method, "heldout_loss": val["val_loss"], "heldout_tokens": val["val_tokens"],

@@ -1,5 +1,7 @@
 """`glm5 plan --preset glm-5 --gpus 1024 --tp 8 --pp 4 --ep 32`: per-GPU memory, communication per step
-and a roofline step time for a parallel layout (arithmetic only; glm5/train/plan.py)."""
+and a roofline step time for a parallel layout (arithmetic only; glm5/train/plan.py). With `--finetune
+lora|prefix|full` (`--lora.r`, `--lora.targets`, `--prefix.num-virtual-tokens`, `--base-quant`): memory
+per GPU for fine-tuning (glm5/finetune/plan.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import argparse
 import dataclasses
 import json
 
+from glm5.finetune.plan import FinetuneLayout, plan_finetune, report_finetune
 from glm5.model.config import ModelConfig, list_presets
+from glm5.model.lora import LoraConfig
 from glm5.train.plan import ACCELERATORS, Layout, plan, report
 
 
@@ -31,6 +35,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--accelerator", choices=sorted(ACCELERATORS), default="H100")
     ap.add_argument("--no-mtp", action="store_true", help="plan without the MTP layer and loss")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--finetune", choices=["lora", "prefix", "full"], help="plan fine-tuning by this method")
+    ap.add_argument("--lora.r", dest="lora_r", type=int, default=8, help="LoRA rank")
+    ap.add_argument("--lora.targets", dest="lora_targets", nargs="+", default=["attn"],
+                    help="LoRA target groups or name suffixes (as [lora] targets)")
+    ap.add_argument("--prefix.num-virtual-tokens", dest="prefix_tokens", type=int, default=16)
+    ap.add_argument("--base-quant", choices=["none", "int8", "fp8"], default="none",
+                    help="how the frozen base is held (model.base_quant)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_preset(args.preset) if args.preset else ModelConfig.from_pretrained(args.model)
     lay = Layout(gpus=args.gpus, tp=args.tp, pp=args.pp, ep=args.ep, dp=args.dp, micro_batch=args.micro_batch,
@@ -38,13 +49,23 @@ def main(argv: list[str]) -> int:
                  schedule=args.schedule, pipeline_split=tuple(args.pipeline_split),
                  gpus_per_node=args.gpus_per_node, mtp=not args.no_mtp)
     acc = ACCELERATORS[args.accelerator]
+    name = args.preset or args.model
     try:
-        p = plan(cfg, lay, acc)
+        if args.finetune:
+            ft = FinetuneLayout(method=args.finetune, lora=LoraConfig(r=args.lora_r, targets=args.lora_targets),
+                                prefix_tokens=args.prefix_tokens, base_quant=args.base_quant)
+            p = plan_finetune(cfg, lay, acc, ft)
+        else:
+            if args.base_quant != "none":
+                raise ValueError("--base-quant holds a frozen fine-tuning base: give --finetune lora or prefix")
+            p = plan(cfg, lay, acc)
     except ValueError as e:
         print(f"glm5 plan: {e}", file=__import__("sys").stderr)
         return 2
     if args.json:
         print(json.dumps({**dataclasses.asdict(p), "accelerator": dataclasses.asdict(acc)}, indent=2))
+    elif args.finetune in ("lora", "prefix"):
+        print(report_finetune(p, acc, name, ft))
     else:
-        print(report(p, acc, args.preset or args.model))
+        print(report(p, acc, name))
     return 0

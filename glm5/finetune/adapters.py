@@ -17,7 +17,7 @@ from glm5.core.io import atomic_dir, safetensors_files
 from glm5.model import hf_adapter, lora, peft_adapter
 from glm5.model.model import GLM5ForCausalLM
 
-from . import prefix
+from . import prefix, quant_base
 
 # Files copied from the base checkpoint next to a merged one (tokenizer and generation defaults).
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -57,6 +57,9 @@ class GLM5AdapterModel(GLM5ForCausalLM):
         A prefix has no weights to fold into: it is served as cache entries (docs/finetune.md)."""
         if prefix.has_prefix(self):
             raise ValueError("a prefix adapter cannot be merged into the weights; serve it with the engine")
+        if quant_base.is_quantized(self):
+            raise ValueError("the base is held quantised (model.base_quant): merge the adapter onto the "
+                             "unquantised base checkpoint instead (glm5 merge BASE ADAPTER OUT)")
         return lora.merge_lora(self)
 
     def trainable_report(self) -> dict:
@@ -64,11 +67,12 @@ class GLM5AdapterModel(GLM5ForCausalLM):
 
 
 def from_pretrained(path: str | Path, adapter: str | Path | None = None, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu", strict: bool = True) -> GLM5AdapterModel:
-    """Load a HF-format GLM-5 checkpoint (see `glm5.model.hf_adapter.from_pretrained`), then the
-    adapter directory `adapter` if given."""
-    model = hf_adapter.from_pretrained(path, dtype=dtype, device=device, strict=strict,
-                                       model_cls=GLM5AdapterModel)
+                    device: str | torch.device = "cpu", strict: bool = True,
+                    base_quant: quant_base.BaseQuant = "none") -> GLM5AdapterModel:
+    """Load a HF-format GLM-5 checkpoint (see `glm5.model.hf_adapter.from_pretrained`), its weights held
+    as `base_quant` (`quant_base.load_base`), then the adapter directory `adapter` if given."""
+    model = quant_base.load_base(path, base_quant, dtype=dtype, device=device, strict=strict,
+                                 model_cls=GLM5AdapterModel)
     model.name_or_path = str(path)
     if adapter is not None:
         model.load_adapter(adapter)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from glm5.train.config import (BalanceConfig, LogConfig, OptimConfig, ScheduleConfig, TrainConfig,
-                               TrainSection)
+from glm5.train.config import (BalanceConfig, LogConfig, ModelSection, OptimConfig, ScheduleConfig,
+                               TrainConfig, TrainSection)
 
 from glm5.model.lora import LoraConfig
 
@@ -72,6 +72,15 @@ class DomainConfig:
     """Domain tokens added to the tokenizer; embedding and LM head rows grow, initialised to the mean."""
 
 
+@dataclass(kw_only=True)
+class FinetuneModelSection(ModelSection):
+    base_quant: Literal["none", "int8", "fp8"] = "none"
+    """How the frozen base's linear and routed-expert weights are held (LoRA and prefix only): "none" (the
+    compute dtype), "int8" (per output channel, as `glm5 serve --quantization int8`) or "fp8" (e4m3, 128 x
+    128 block scales, as the released checkpoints; a FP8 checkpoint loads as stored). Dequantised per
+    module at each use; the adapters train in the compute dtype (glm5/finetune/quant_base.py)."""
+
+
 # Pretraining sections with fine-tuning defaults (a TOML section that sets some keys keeps these for the rest)
 @dataclass(kw_only=True)
 class FinetuneOptimConfig(OptimConfig):
@@ -113,6 +122,7 @@ class FinetuneLogConfig(LogConfig):
 class FinetuneConfig(TrainConfig):
     method: Literal["lora", "prefix", "full"] = "lora"
     """What trains: LoRA adapters, latent prefixes, or every weight."""
+    model: FinetuneModelSection = field(default_factory=FinetuneModelSection)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
@@ -126,6 +136,11 @@ class FinetuneConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.model.base_quant not in ("none", "int8", "fp8"):  # (a dataclass built in code skips the loader's check)
+            raise ValueError(f"model.base_quant = {self.model.base_quant!r}: must be one of ['none', 'int8', 'fp8']")
+        if self.method == "full" and self.model.base_quant != "none":
+            raise ValueError(f"model.base_quant = {self.model.base_quant!r} holds a frozen base: it needs "
+                             "method = 'lora' or 'prefix' (full fine-tuning trains every weight)")
         if set(self.train.objectives) != {"clm"}:
             raise ValueError("train.objectives: fine-tuning trains the causal LM only ({clm = 1.0})")
         if self.method == "prefix" and self.data.pack:

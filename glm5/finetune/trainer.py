@@ -48,7 +48,7 @@ def build_model(cfg: FinetuneConfig, data_rank: int = 0, data_world: int = 1):
                          "(config.json + safetensors), e.g. runs/tiny/final")
     if cfg.model.overrides:
         raise ValueError("model.overrides: a fine-tuned model keeps its base's architecture")
-    model = from_pretrained(base)
+    model = from_pretrained(base, base_quant=cfg.model.base_quant)
     tok = load_tokenizer(tokenizer_dir(cfg))
     if cfg.domain.new_tokens:
         tok = add_domain_tokens(model, tok, cfg.domain.new_tokens)

@@ -44,6 +44,11 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of `quantize_weight`: int8 [..., N, K] and scale [..., N] -> fp32 [..., N, K]."""
+    return q.float() * scale[..., None]
+
+
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, kernel: str | dict | None = None
                 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ (wq * scale)^T, in x's dtype. `kernel`: a name, or {"small", "large"} -> name
@@ -100,8 +105,8 @@ class Int8Experts(ExpertLoop):
     @torch.no_grad()
     def get_expert(self, e: int) -> dict[str, torch.Tensor]:
         """Expert e dequantised (re-quantising it gives back the same int8 values)."""
-        gate_up = self.gate_up_int8[e].float() * self.gate_up_scale[e][:, None]  # [2I, H]
-        down = self.down_int8[e].float() * self.down_scale[e][:, None]  # [H, I]
+        gate_up = dequantize_weight(self.gate_up_int8[e], self.gate_up_scale[e])  # [2I, H]
+        down = dequantize_weight(self.down_int8[e], self.down_scale[e])  # [H, I]
         return {"gate": gate_up[: self.inter], "up": gate_up[self.inter:], "down": down}
 
     @torch.no_grad()

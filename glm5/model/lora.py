@@ -9,6 +9,9 @@ Two kinds of target, matching how PEFT adapts transformers' `GlmMoeDsaForCausalL
     parametrization `ExpertLoRA`: W[e] + s * B[e] A[e], one rank-r pair per expert (PEFT's
     `target_parameters`). Every reader of the parameter (grouped, reference, dense experts) sees it.
 s = alpha / r, or alpha / sqrt(r) with rsLoRA. B starts at zero, so a fresh adapter changes nothing.
+Both work on a base whose weights are held quantised as parametrizations (glm5/finetune/quant_base.py):
+LoRALinear wraps the parametrized nn.Linear, ExpertLoRA chains after the dequantisation; such a base is
+never merged into (merge onto the unquantised base).
 MTP layers (`model.layers.{>= num_hidden_layers}`) are never adapted: transformers has no MTP layer.
 PEFT file I/O lives in `peft_adapter.py`; this module knows no file formats. It sits in `glm5.model` (not
 `glm5.finetune`) because training, the engine and the server all apply adapters.
@@ -260,6 +263,12 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (in place) and restore the plain modules: afterwards the
     model's state dict has the original names and saves as an ordinary checkpoint."""
     for t, mod in lora_layers(model):
+        held = mod.base_layer if isinstance(mod, LoRALinear) else model.get_submodule(t.name)
+        if parametrize.is_parametrized(held, "weight" if t.param is None else t.param) and (
+                t.param is None or len(held.parametrizations[t.param]) > 1):
+            raise ValueError(f"{t.key}: the base weight is held in another form (quantised); merge the "
+                             "adapter onto the unquantised base")
+    for t, mod in lora_layers(model):
         if isinstance(mod, LoRALinear):
             base = mod.base_layer
             base.weight.add_(mod.delta_weight().to(base.weight.dtype))
@@ -277,7 +286,12 @@ def remove_lora(model: nn.Module) -> nn.Module:
             parent_name, _, child = t.name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, mod.base_layer)
         else:
-            parametrize.remove_parametrizations(model.get_submodule(t.name), t.param, leave_parametrized=False)
+            experts = model.get_submodule(t.name)
+            chain = experts.parametrizations[t.param]
+            if len(chain) > 1:  # the weight is also held another way (a quantised base): drop only the adapter
+                del chain[next(i for i, p in enumerate(chain) if p is mod)]
+            else:
+                parametrize.remove_parametrizations(experts, t.param, leave_parametrized=False)
     return model
 
 
