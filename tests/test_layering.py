@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "glm5"
-LEVEL = {"core": 0, "model": 1, "data": 1, "convert": 1.5, "train": 2, "infer": 2, "finetune": 3, "serve": 3,
+LEVEL = {"core": 0, "native": 0.5, "model": 1, "data": 1, "convert": 1.5, "train": 2, "infer": 2, "finetune": 3, "serve": 3,
          "eval": 3, "distill": 3, "apps": 4, "cli": 5}
 FORBIDDEN_SAME_LEVEL = {("model", "data"), ("data", "model"), ("train", "infer"), ("infer", "train")}
 
