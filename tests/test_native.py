@@ -8,7 +8,9 @@ import torch
 
 from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
-from glm5.infer.kernels import NativeExperts, NativeGQAttention, NativeLinear
+from glm5.infer.kernels import NativeDecoderLayer, NativeExperts, NativeGQAttention, NativeLinear, NativeMLAttention
+from glm5.model.attention import MLAttention
+from glm5.model.model import DecoderLayer
 from glm5.model.latent_attention import dense_latent_attention
 from glm5.model.moe import expert_loop, swiglu
 from glm5.native import NativeError, build, load
@@ -198,24 +200,24 @@ def test_engine_on_native_kernels_serves_the_same_tokens(kernels):
     plain = LLMEngine(EngineConfig(**opts, kernels="torch"), model=tiny_model(seed=5))
     fast = LLMEngine(EngineConfig(**opts, kernels="native"), model=tiny_model(seed=5))
     experts = fast.model.model.layers[1].mlp.experts
-    assert fast.runner.latent_kernel is not None and plain.runner.latent_kernel is None
-    assert fast.runner.mla_kernel is not None and plain.runner.mla_kernel is None
     attn = fast.model.model.layers[1].self_attn
+    assert type(attn) is NativeMLAttention and type(plain.model.model.layers[1].self_attn) is MLAttention
+    assert type(fast.model.model.layers[1]) is NativeDecoderLayer and type(plain.model.model.layers[1]) is DecoderLayer
     assert type(attn.q_a_proj) is NativeLinear and type(attn.kv_b_proj) is torch.nn.Linear  # (read as a matrix)
     assert type(experts) is NativeExperts and type(plain.model.model.layers[1].mlp.experts) is not NativeExperts
     assert fast.model.state_dict().keys() == plain.model.state_dict().keys()
     assert _greedy(fast, prompts) == _greedy(plain, prompts)
-    layer_kernel, fused, calls, whole = fast.runner.layer_kernel, fast.runner.mla_kernel, [], []
-    fast.runner.mla_kernel = lambda *a: calls.append(a[0].shape) or fused(*a)  # count the fused MLA calls
-    fast.runner.layer_kernel = lambda *a: (lambda r: whole.append(r is not None) or r)(layer_kernel(*a))
+    layer_kernel, calls, whole = _layer_kernel(fast), [], []
+    _count_calls(fast, "absorbed_heads", calls)  # count the fused MLA calls
+    _set_layer_kernel(fast, lambda *a: (lambda r: whole.append(r is not None) or r)(layer_kernel(*a)))
     for p in prompts:  # the same logits, prefill and decode steps included
         ids = torch.tensor([p + [5, 6]])
         with torch.no_grad():
             ref = plain.model(ids).logits
         assert torch.allclose(_logits(fast, p + [5, 6]), ref[0, -3:], atol=1e-4)
-        fast.runner.layer_kernel = None  # the same without the whole-layer kernel: the fused MLA call runs
+        _set_layer_kernel(fast, None)  # the same without the whole-layer kernel: the fused MLA call runs
         assert torch.allclose(_logits(fast, p + [5, 6]), ref[0, -3:], atol=1e-4)
-        fast.runner.layer_kernel = lambda *a: (lambda r: whole.append(r is not None) or r)(layer_kernel(*a))
+        _set_layer_kernel(fast, lambda *a: (lambda r: whole.append(r is not None) or r)(layer_kernel(*a)))
     assert calls  # the one-token decode steps ran the fused MLA kernel without the layer kernel ...
     assert any(whole) and not all(whole)  # ... and the whole-layer kernel with it (prefill: the modules)
     update = {(1, 3): {"gate_proj": torch.randn(32, 64, generator=gen), "up_proj": torch.randn(32, 64, generator=gen),
@@ -224,6 +226,27 @@ def test_engine_on_native_kernels_serves_the_same_tokens(kernels):
     fast.swap_experts(update)  # writes into the parameters the kernel reads
     assert torch.equal(experts.gate_up_proj[3, 32:], update[(1, 3)]["up_proj"])
     assert _greedy(fast, prompts) == _greedy(plain, prompts)
+
+
+def _layer_kernel(engine):
+    """The whole-layer kernel the engine's decoder layers share (`NativeDecoderLayer.layer_kernel`)."""
+    return next(m.layer_kernel for m in engine.model.modules() if isinstance(m, NativeDecoderLayer))
+
+
+def _set_layer_kernel(engine, fn) -> None:
+    """Give every native decoder layer of the engine's model `fn` as its layer kernel (None: one that never
+    applies, so the layers run their modules)."""
+    for m in engine.model.modules():
+        if isinstance(m, NativeDecoderLayer):
+            m.layer_kernel = fn if fn is not None else (lambda *a: None)
+
+
+def _count_calls(engine, method: str, calls: list) -> None:
+    """Record the first argument's shape of every call of the native attention modules' `method`."""
+    for m in engine.model.modules():
+        if isinstance(m, NativeMLAttention):
+            orig = getattr(m, method)
+            setattr(m, method, lambda *a, _orig=orig: calls.append(a[1].shape) or _orig(*a))
 
 
 def _logits(engine, ids: list[int]) -> torch.Tensor:
@@ -351,7 +374,8 @@ def test_linear_kernel_equals_f_linear_and_native_linear_falls_back(kernels):
 def _paged(engine, chunks, layer_kernel):
     """One paged forward of `chunks` (SeqChunk list) with or without the whole-layer kernel -> ModelOutput."""
     runner = engine.runner
-    runner.layer_kernel = layer_kernel
+    if any(isinstance(m, NativeDecoderLayer) for m in engine.model.modules()):
+        _set_layer_kernel(engine, layer_kernel)
     tok, meta = runner.metadata(chunks)
     with torch.no_grad():
         return engine.model(tok[None], attn_metadata=meta, kv_cache=runner.cache)
@@ -391,7 +415,7 @@ def test_decode_layer_kernel_equals_the_layer_modules(kernels, opts, threads, re
         engines.append(LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=32,
                                               max_model_len=120, kernels="native"), model=m))
     fast, plain = engines
-    lk = fast.runner.layer_kernel
+    lk = _layer_kernel(fast)
     ran = []
     counted = lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a))  # noqa: E731
     assert fast.runner.cache.index_k[1] is not None  # max_model_len > index_topk: indexer keys are cached
@@ -435,7 +459,7 @@ def test_decode_layer_kernel_steps_aside(kernels):
     for kw, expect in [({}, True), (dict(index_topk=8), True), (dict(sparse_attention="window"), False),
                        (dict(moe_capacity_factor=1.5), True), (dict(moe_type="soft"), True)]:
         eng = LLMEngine(EngineConfig(**opts), model=tiny_model(seed=4, **kw))
-        lk, ran = eng.runner.layer_kernel, []
+        lk, ran = _layer_kernel(eng), []
         ids = list(range(3, 23))
         _paged(eng, [SeqChunk("s", 0, ids[:-1], list(range(8)))], lk)
         _paged(eng, [SeqChunk("s", len(ids) - 1, ids[-1:], list(range(8)))],
@@ -475,7 +499,7 @@ def test_decode_layer_kernel_on_a_wide_decode_batch(kernels):
     from glm5.infer.input_batch import SeqChunk
     opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=96, max_model_len=40, kernels="native")
     fast, plain = (LLMEngine(EngineConfig(**opts), model=tiny_model(seed=6)) for _ in range(2))
-    lk, ran = fast.runner.layer_kernel, []
+    lk, ran = _layer_kernel(fast), []
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(2, 500, (int(n),), generator=gen).tolist() for n in torch.randint(3, 20, (14,), generator=gen)]
     blocks = [list(range(6 * i, 6 * i + 6)) for i in range(14)]
@@ -497,7 +521,7 @@ def test_decode_layer_kernel_refuses_bad_keys_before_writing(kernels):
     from glm5.infer.input_batch import SeqChunk
     eng = LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40,
                                  kernels="native"), model=tiny_model(seed=7, index_topk=4))
-    lk, seen = eng.runner.layer_kernel, []
+    lk, seen = _layer_kernel(eng), []
     ids = list(range(3, 15))
     _paged(eng, [SeqChunk("s", 0, ids[:-1], list(range(4)))], lk)
     real = eng.kernels.decode_layer
@@ -517,22 +541,23 @@ def test_decode_layer_kernel_refuses_bad_keys_before_writing(kernels):
 
 
 def test_a_served_model_can_be_copied_and_pickled(kernels):
-    """The engine's module swaps hold the kernels: `copy.deepcopy` of the served model shares them (and
-    computes the same), pickling keeps the library's path."""
+    """The engine's module swaps call typed ops (no kernel object inside the modules but the layer kernel's,
+    which a copy shares and a pickle re-opens by path): `copy.deepcopy` and a pickle round trip of the served
+    model compute the same, on the native modules."""
     import copy
     import pickle
-    from glm5.infer.kernels import NativeLinear
     model = tiny_model(seed=8)
-    LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40,
-                           kernels="native"), model=model)
-    twin = copy.deepcopy(model)
-    lin = twin.model.layers[1].self_attn.q_a_proj
-    assert type(lin) is NativeLinear and lin.kernels is model.model.layers[1].self_attn.q_a_proj.kernels
+    eng = LLMEngine(EngineConfig(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40,
+                                 kernels="native"), model=model)
     ids = torch.tensor([[3, 4, 5, 6]])
-    with torch.no_grad():
-        assert torch.equal(twin(ids).logits, model(ids).logits)
-    back = pickle.loads(pickle.dumps(lin.kernels))  # (our own object, in memory)
-    assert back.path == lin.kernels.path and back.rope is not None
+    for twin in (copy.deepcopy(eng.model), pickle.loads(pickle.dumps(eng.model))):
+        lin = twin.model.layers[1].self_attn.q_a_proj
+        assert type(lin) is NativeLinear and type(twin.model.layers[1]) is NativeDecoderLayer
+        with torch.no_grad():
+            assert torch.equal(twin(ids).logits, eng.model(ids).logits)
+            x = torch.randn(1, lin.in_features)
+            assert torch.equal(lin(x), eng.model.model.layers[1].self_attn.q_a_proj(x))  # the native op
+    assert _layer_kernel(eng).kernels.path == pickle.loads(pickle.dumps(_layer_kernel(eng).kernels)).path
 
 
 @pytest.mark.parametrize("opts", [{}, dict(index_topk=6, attention_bias=True)])
@@ -545,7 +570,7 @@ def test_decode_layer_kernel_on_int8_weights(kernels, opts):
     o = dict(device="cpu", dtype="float32", block_size=4, num_blocks=80, max_model_len=40, kernels="native",
              quantization="int8", int8_kernel="dequant")
     fast, plain = (LLMEngine(EngineConfig(**o), model=tiny_model(seed=9, **opts)) for _ in range(2))
-    lk, ran = fast.runner.layer_kernel, []
+    lk, ran = _layer_kernel(fast), []
     counted = lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a))  # noqa: E731
     gen = torch.Generator().manual_seed(3)
     n_seq = INT8_MAX_ROWS + 1
@@ -572,7 +597,7 @@ def test_layer_kernel_takes_a_short_prompt(kernels):
     from glm5.infer.kernels import LAYER_MAX_QUERIES
     o = dict(device="cpu", dtype="float32", block_size=4, num_blocks=16, max_model_len=40, kernels="native")
     fast, plain = (LLMEngine(EngineConfig(**o), model=tiny_model(seed=10)) for _ in range(2))
-    lk, ran = fast.runner.layer_kernel, []
+    lk, ran = _layer_kernel(fast), []
     prompt = [5, 9, 2, 7, 3, 8][:LAYER_MAX_QUERIES]
     chunk = [SeqChunk("p", 0, prompt, list(range(4)))]
     got = _paged(fast, chunk, lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))

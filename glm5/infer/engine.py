@@ -34,7 +34,7 @@ from .experts import expert_stats
 from .faults import FaultTracker, NonFiniteOutput, is_fatal, run_each
 from .hot_swap import ExpertVersions
 from .hugepages import rehome
-from .kernels import NativeLayerKernel, use_native_kernels
+from .kernels import use_native_kernels
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .layout import transpose_weights
 from .lora import LoRAManager
@@ -119,12 +119,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         cache_dtype = next(self.model.model.embed_tokens.parameters()).dtype
-        native = self.kernels if self.kernels is not None and cache_dtype == torch.float32 else None
+        native = self.kernels is not None and cache_dtype == torch.float32
         self.runner = ModelRunner(self.model, self.config, num_blocks, device=self.config.device, cache_dtype=cache_dtype,
-                                  latent_kernel=native.latent_decode if native else None,
-                                  mla_kernel=native.mla_decode if native else None,
-                                  rope_kernel=native.rope if native else None,
-                                  layer_kernel=NativeLayerKernel(native) if native else None)
+                                  sort_by_length=not native)
         # tokens routed to each expert of each MoE layer since start (device tensor, one add per layer/step)
         self._expert_tokens = torch.zeros(self.model_config.num_hidden_layers, self.model_config.n_routed_experts,
                                           dtype=torch.long, device=self.config.device)
@@ -149,15 +146,15 @@ class LLMEngine:
         if c.weight_layout == "transposed" or (c.weight_layout == "auto" and torch.device(c.device).type == "cpu"):
             transpose_weights(model)
         if self.kernels is not None:
-            use_native_kernels(model, self.kernels)  # module swaps (the attention kernels ride on the metadata)
+            use_native_kernels(model, self.kernels)  # module swaps: the backend is chosen here, once
         if c.huge_pages and torch.device(c.device).type == "cpu":
             rehome(model)  # after the layout change: the tensors served are the ones moved
         return model
 
     def _native_kernels(self) -> NativeKernels | None:
-        """`kernels`: the native CPU kernels (glm5/native): routed experts, few-row linear layers and RMSNorm
-        by module swap; with an fp32 cache, the latent attention, the fused small-step MLA and the rotary
-        embedding, handed to the model with each step's metadata (`ModelRunner`)."""
+        """`kernels`: the native CPU kernels (glm5/native, typed ops `torch.ops.glm5_native.*`), swapped into
+        the model once here (glm5/infer/kernels.py: norms, few-row linear layers, SwiGLU, router, experts,
+        attention, whole decode layers); each module checks its case per call and falls back to its own forward."""
         c = self.config
         if c.kernels == "torch":
             return None

@@ -1,12 +1,23 @@
-"""Native CPU kernels in the served model (`EngineConfig.kernels`), by module swap: RMSNorm modules become
-`NativeRMSNorm`, [in, out]-stored linear layers `NativeLinear`, the routed experts of each MoE layer
-`NativeExperts` (same parameters, same state_dict keys, in-place writes such as
-expert hot swap still land in them) whose inference forward calls the compiled kernel of glm5/native.
-Every other case (autograd, non-fp32, the native [out, in] layout) runs the inherited PyTorch forward, so
-the swap never changes what the model computes, only how fast. Measured on the bench's 64-expert
-checkpoint (7 MoE layers, 1 thread, `grouped_experts` time / kernel time): 3.1x for one token, 1.9x for 8 and
-64 decode rows, 1.3-1.8x for 256-2,048 prefill tokens (BLAS GEMMs plus the gather/scale/scatter around them
-vs one pass per expert; docs/bench-engine.md).
+"""Native CPU kernels in the served model (`EngineConfig.kernels`), chosen once at engine build by module swap.
+
+Each swapped module is a subclass of the model's own module holding the same Parameter objects (same
+state_dict keys; in-place writes such as an expert hot swap land in them) whose no-grad fp32 CPU forward
+calls a typed operator of glm5/native (`torch.ops.glm5_native.*`, glm5/native/ops.py) for the cases the
+kernel covers and the inherited PyTorch forward for every other (autograd, other dtypes or devices, other
+layouts, sizes where PyTorch is faster): the swap never changes what the model computes, only how fast.
+The model's Python forward stays the one statement of each layer; the tuned size bounds below are the
+only place that decides which path a step takes, each with the measurement that set it.
+
+  RMSNorm -> NativeRMSNorm          nn.Linear ([in, out]-stored) -> NativeLinear
+  Int8Linear -> NativeInt8Linear    SwiGLU (dense MLP, shared expert) -> NativeSwiGLU
+  Router -> NativeRouter            Experts -> NativeExperts (routed experts)
+  MLAttention -> NativeMLAttention  (rotary, dense latent attention, fused small-step MLA)
+  GQAttention -> NativeGQAttention  (rotary in place, decode attention over the paged cache)
+  DecoderLayer -> NativeDecoderLayer (the whole-layer decode kernel, see below)
+
+Measured on the bench's 64-expert checkpoint (7 MoE layers, 1 thread, `grouped_experts` time / kernel
+time): 3.1x for one token, 1.9x for 8 and 64 decode rows, 1.3-1.8x for 256-2,048 prefill tokens (BLAS
+GEMMs plus the gather/scale/scatter around them vs one pass per expert; docs/bench-engine.md).
 """
 
 from __future__ import annotations
@@ -17,30 +28,34 @@ from torch import nn
 from glm5.model.attention import MLAttention, _rows
 from glm5.model.gqa_attention import GQAttention
 from glm5.model.layers import RMSNorm, SwiGLU
+from glm5.model.model import DecoderLayer, MTPLayer
 from glm5.model.moe import LOOP_MIN_ROWS_PER_EXPERT, Experts, MoE, Router
 from glm5.model.paged import AttnGroup, PagedContext
 from glm5.native import LayerSpec, NativeKernels, key_table, rows_stride
+from glm5.native.ops import ops
 
 from .layout import is_transposed
 from .quant import Int8Experts, Int8Linear
 
 
+def _cpu_f32(x: torch.Tensor) -> bool:
+    """The case every kernel covers: no autograd, an fp32 CPU tensor."""
+    return not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 class NativeExperts(Experts):
-    """`Experts` whose no-grad fp32 CPU forward runs `NativeKernels.moe` over the [in, out]-stored weights
+    """`Experts` whose no-grad fp32 CPU forward runs the native MoE kernel over the [in, out]-stored weights
     for steps below `LOOP_MIN_ROWS_PER_EXPERT` assignments per expert (decode, small batches); larger steps
     take the module's own per-expert BLAS loop, which is faster there."""
 
-    kernels: NativeKernels
-
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, static_shapes: bool = False) -> torch.Tensor:
         gu, dn = self.gate_up_proj, self.down_proj
-        if (torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
-                or idx.numel() >= LOOP_MIN_ROWS_PER_EXPERT * self.n_experts
+        if (not _cpu_f32(x) or (idx.numel() >= LOOP_MIN_ROWS_PER_EXPERT * self.n_experts and not static_shapes)
                 or gu.dtype != torch.float32 or not (is_transposed(gu) and is_transposed(dn))):
-            return super().forward(x, idx, weights, keep)
+            return super().forward(x, idx, weights, keep, static_shapes)
         w = weights if keep is None else weights * keep
-        return self.kernels.moe(x.contiguous(), idx, w, gu.transpose(-2, -1), dn.transpose(-2, -1))
+        return ops.moe(x.contiguous(), idx, w, gu, dn)
 
 
 class NativeRMSNorm(RMSNorm):
@@ -48,14 +63,11 @@ class NativeRMSNorm(RMSNorm):
     (pow, mean, add, rsqrt, two products: ~27 us a call for one 384-wide row; the decode step runs 4 per
     layer)."""
 
-    kernels: NativeKernels
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ld = self.weight, rows_stride(x)
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or ld is None
-                or type(w) is not nn.Parameter or w.dtype != torch.float32):
+        w = self.weight
+        if (not _cpu_f32(x) or rows_stride(x) is None or type(w) is not nn.Parameter or w.dtype != torch.float32):
             return super().forward(x)
-        return self.kernels.rms_norm(x, w, self.eps, ld)
+        return ops.rms_norm(x, w, self.eps)
 
 
 # NativeLinear runs the kernel for at most this many rows and weights up to this size: measured at 1 thread
@@ -67,18 +79,116 @@ LINEAR_MAX_BYTES = 4 << 20
 
 
 class NativeLinear(nn.Linear):
-    """`nn.Linear` whose no-grad fp32 CPU forward on a few rows (decode) runs `NativeKernels.linear` over the
-    [in, out]-stored weight; everything else (more rows, other layouts, autograd) is `F.linear`."""
-
-    kernels: NativeKernels
+    """`nn.Linear` whose no-grad fp32 CPU forward on a few rows (decode) runs the native linear kernel over
+    the [in, out]-stored weight; everything else (more rows, other layouts, autograd) is `F.linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ld = self.weight, rows_stride(x)
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32
-                or not 0 < x.numel() <= LINEAR_MAX_ROWS * w.shape[1] or w.stride() != (1, w.shape[0])
-                or type(w) is not nn.Parameter or w.numel() * 4 > LINEAR_MAX_BYTES or ld is None):
+        w = self.weight
+        if (not _cpu_f32(x) or w.dtype != torch.float32 or not 0 < x.numel() <= LINEAR_MAX_ROWS * w.shape[1]
+                or w.stride() != (1, w.shape[0]) or type(w) is not nn.Parameter or w.numel() * 4 > LINEAR_MAX_BYTES
+                or rows_stride(x) is None):
             return super().forward(x)
-        return self.kernels.linear(x, w, self.bias, ld)
+        return ops.linear(x, w, self.bias)
+
+
+# NativeSwiGLU runs the fused kernel (gate, up, SiLU x up, down in one call) for at most this many rows: the
+# same regime as NativeLinear's (the three projections are decode-sized GEMVs).
+SWIGLU_MAX_ROWS = LINEAR_MAX_ROWS
+
+
+class NativeSwiGLU(SwiGLU):
+    """`SwiGLU` (a dense MLP or the shared expert) whose no-grad fp32 CPU forward on a few rows is one kernel
+    call: the three [in, out]-stored projections and the SiLU x up product without the intermediate tensors.
+    Its projections are the model's modules (swapped to `NativeLinear` themselves), used for every other case."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if (not _cpu_f32(x) or not 0 < x.numel() <= SWIGLU_MAX_ROWS * x.shape[-1] or rows_stride(x) is None
+                or type(g) is not NativeLinear or type(u) is not NativeLinear or type(d) is not NativeLinear
+                or g.bias is not None or u.bias is not None or d.bias is not None):
+            return super().forward(x)
+        gw, uw, dw = g.weight, u.weight, d.weight
+        if not all(w.dtype == torch.float32 and w.stride() == (1, w.shape[0]) for w in (gw, uw, dw)):
+            return super().forward(x)
+        return ops.swiglu(x, gw, uw, dw)
+
+
+# Int8 linear layers run the native int8 kernel for at most this many rows: it reads each weight row once per
+# input row (decode sizes); larger steps run the module's own int8 GEMM (glm5.infer.quant.int8_linear).
+INT8_MAX_ROWS = 8
+
+
+class NativeInt8Linear(Int8Linear):
+    """`Int8Linear` whose no-grad fp32 CPU forward on a few rows runs the native int8 kernel (each int8
+    weight row converted in registers and dotted with the rows: a quarter of the fp32 weight stream)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight_int8
+        if (not _cpu_f32(x) or not 0 < x.numel() <= INT8_MAX_ROWS * w.shape[1] or rows_stride(x) is None
+                or not w.is_contiguous() or self.scale.dtype != torch.float32
+                or (self.bias is not None and self.bias.dtype != torch.float32)):
+            return super().forward(x)
+        return ops.linear_int8(x, w, self.scale, self.bias)
+
+
+class NativeRouter(Router):
+    """`Router` whose no-grad fp32 CPU forward is one kernel call (logits, sigmoid / softmax scores, the
+    correction bias for the choice, group-limited top-k, weights renormalised and scaled) instead of ~15
+    PyTorch ops. Chosen experts come best first (the module's top-k is unsorted; the MoE sums per token)."""
+
+    def forward(self, x: torch.Tensor):
+        cfg, w, b = self.cfg, self.weight, self.e_score_correction_bias
+        if (not _cpu_f32(x) or rows_stride(x) is None or cfg.scoring_func not in ("sigmoid", "softmax")
+                or self.n_experts > 1024 or type(w) is not nn.Parameter or w.dtype != torch.float32
+                or not w.is_contiguous() or b.dtype != torch.float32 or not b.is_contiguous()):
+            return super().forward(x)
+        G = max(cfg.n_group, 1)
+        return ops.route(x, w, b, self.top_k, float(cfg.router_temperature), cfg.scoring_func == "softmax", G,
+                         cfg.topk_group if G > 1 else 1, bool(cfg.norm_topk_prob), float(cfg.routed_scaling_factor))
+
+
+# NativeMLAttention runs the fused absorbed MLA (W_uk, attention, W_uv in one call per group) for steps of at
+# most this many tokens: it applies W_uk / W_uv per query row, which beats two batched matmuls over the step
+# only for very few rows (bench checkpoint, 1 thread, CPU time per decode step fused / split: 0.94 at 1
+# sequence, 1.07 at 8, 1.09 at 64)
+FUSED_MLA_MAX_ROWS = 2
+
+
+class NativeMLAttention(MLAttention):
+    """`MLAttention` whose rotary embedding, dense latent attention and (small steps) whole absorbed path of
+    a group run the native kernels in the no-grad fp32 CPU case; the projections, norms, indexer, cache
+    writes and everything else are the module's own."""
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        P = x.shape[-1]
+        if (not _cpu_f32(x) or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
+                or cos.shape[-1] != P // 2 or P % 2 or rows_stride(x) is None or x.numel() == 0
+                or x.numel() % cos.numel()):
+            return super().rotate(x, cos, sin)
+        return ops.rope(x, cos, sin, bool(self.cfg.rope_interleave))
+
+    def dense_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        if not _cpu_f32(q) or latent.dtype != torch.float32:
+            return super().dense_latent(g, q, latent)
+        return ops.latent_decode(q, latent, g.key_slots, g.key_bias, self.kv_rank, self.scale, g.key_lens)
+
+    def fuses_absorbed(self, ctx: PagedContext) -> bool:
+        meta = ctx.meta
+        if meta.adapter_ids is not None or meta.num_tokens > FUSED_MLA_MAX_ROWS or torch.is_grad_enabled():
+            return False
+        mod = self.kv_b_proj
+        if type(mod) is not nn.Linear or nn.utils.parametrize.is_parametrized(mod):
+            return False
+        w = mod.weight
+        return (type(w) is nn.Parameter and w.is_contiguous() and w.dtype == torch.float32 and w.device.type == "cpu"
+                and ctx.cache.latent[self.layer_idx].dtype == torch.float32)
+
+    def absorbed_heads(self, g: AttnGroup, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                       latent: torch.Tensor) -> torch.Tensor:
+        if not (_cpu_f32(q_nope) and q_rope.dtype == torch.float32):
+            return super().absorbed_heads(g, q_nope, q_rope, latent)
+        return ops.mla_decode(q_nope, q_rope, self.kv_b_proj.weight, latent, g.key_slots, g.key_bias, self.scale,
+                              g.key_lens)
 
 
 # NativeGQAttention runs groups of at most this many queries per sequence in the kernel (decode steps, draft
@@ -90,68 +200,66 @@ GQA_MAX_QUERIES = 8
 
 class NativeGQAttention(GQAttention):
     """`GQAttention` whose no-grad fp32 CPU attention of a decode-sized group (`_attend_group`) is one
-    `NativeKernels.gqa_decode` call over the paged [k | v] cache rows: no per-step gather of keys and values
-    into [B, G, S, D], no score tensor, no mask addition and softmax as separate ops; and the rotary embedding
-    in place (`NativeKernels.rope_heads_`). The projections, norms and cache writes are the module's own
-    (`project`, `write_kv`); everything else is inherited."""
-
-    kernels: NativeKernels
+    native call over the paged [k | v] cache rows: no per-step gather of keys and values into [B, G, S, D],
+    no score tensor, no mask addition and softmax as separate ops; and the rotary embedding in place. The
+    projections, norms and cache writes are the module's own (`project`, `write_kv`); everything else is
+    inherited."""
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """In place on x [B, T, H, D] (`project` hands it the fresh output of a projection or a norm): one
         kernel call instead of slicing, six products and two concatenations."""
         B, T = x.shape[:2]
-        if (torch.is_grad_enabled() or x.dtype != torch.float32 or cos.dtype != torch.float32 or x.device.type != "cpu"
-                or x.stride(-1) != 1 or not (B == 1 or x.stride(0) == T * x.stride(1))
+        if (not _cpu_f32(x) or cos.dtype != torch.float32 or x.stride(-1) != 1
+                or not (B == 1 or x.stride(0) == T * x.stride(1))
                 or cos.numel() != B * T * (self.rotary_dim // 2) or not (cos.is_contiguous() and sin.is_contiguous())):
             return super()._rotate(x, cos, sin)
-        return self.kernels.rope_heads_(x, cos.view(B, T, -1), sin.view(B, T, -1), self.rotary_dim)
+        ops.rope_heads_(x, cos.view(B, T, -1), sin.view(B, T, -1), self.rotary_dim)
+        return x
 
     def _attend_group(self, g: AttnGroup, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if (g.q_index.shape[1] > GQA_MAX_QUERIES or torch.is_grad_enabled() or q.dtype != torch.float32
-                or rows.dtype != torch.float32 or q.device.type != "cpu" or not rows.is_contiguous()):
+        if (g.q_index.shape[1] > GQA_MAX_QUERIES or not _cpu_f32(q) or rows.dtype != torch.float32
+                or not rows.is_contiguous()):
             return super()._attend_group(g, q, rows)
-        return self.kernels.gqa_decode(_rows(g, q), rows, self.n_kv, g.key_slots, g.key_bias, self.scale, g.key_lens)
+        return ops.gqa_decode(_rows(g, q), rows, self.n_kv, g.key_slots, g.key_bias, self.scale, g.key_lens)
 
 
-_GQA_SHARED = ("layer_idx", "n_heads", "n_kv", "head_dim", "rotary_dim", "scale", "q_proj", "k_proj", "v_proj",
-               "o_proj", "q_norm", "k_norm")
-
-
-def _swapped(cls: type, mod: nn.Module, kernels: NativeKernels, shared: tuple[str, ...]) -> nn.Module:
-    """An instance of `cls` (a native subclass of mod's class) holding mod's attributes `shared` - the same
-    Parameter objects, not copies - and the kernels."""
+def _swapped(cls: type, mod: nn.Module, **extra) -> nn.Module:
+    """An instance of `cls` (a native subclass of mod's class) sharing mod's state: the same Parameter,
+    buffer and submodule objects, not copies."""
     new = cls.__new__(cls)
-    nn.Module.__init__(new)
-    new.training = mod.training
-    for name in shared:
-        setattr(new, name, getattr(mod, name))
-    new.kernels = kernels
+    new.__dict__.update(mod.__dict__)  # _parameters / _buffers / _modules dicts are copied below
+    new._parameters, new._buffers, new._modules = dict(mod._parameters), dict(mod._buffers), dict(mod._modules)
+    new.__dict__.update(extra)
     return new
 
 
+# the model's module class -> its native subclass (exact classes only: a LoRA, offloaded, tensor-parallel or
+# otherwise specialised module keeps its own forward)
+SWAPS: dict[type, type] = {Experts: NativeExperts, RMSNorm: NativeRMSNorm, nn.Linear: NativeLinear,
+                           SwiGLU: NativeSwiGLU, Int8Linear: NativeInt8Linear, Router: NativeRouter,
+                           MLAttention: NativeMLAttention, GQAttention: NativeGQAttention}
+
+
 def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
-    """Swap every plain `Experts` (not LoRA-parametrised), `RMSNorm`, [in, out]-stored `nn.Linear` and
-    `GQAttention` module for its native subclass; returns how many."""
+    """Swap every module of a class in `SWAPS` (not parametrised; linear layers only when stored [in, out])
+    for its native subclass, and every decoder layer for `NativeDecoderLayer`; returns how many modules were
+    swapped. Children first, so a swapped parent holds its swapped children."""
     n = 0
+    for parent in reversed(list(model.modules())):
+        for name, child in list(parent.named_children()):
+            cls = SWAPS.get(type(child))
+            if cls is None or nn.utils.parametrize.is_parametrized(child):
+                continue
+            if cls is NativeLinear and not is_transposed(child.weight):
+                continue  # (kv_b_proj stays: the absorbed attention reads it as a matrix)
+            setattr(parent, name, _swapped(cls, child))
+            n += 1
+    layer_kernel = NativeLayerKernel(kernels)  # one for the model: its key table is built once per step
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is Experts and not nn.utils.parametrize.is_parametrized(child):
-                setattr(parent, name, _swapped(NativeExperts, child, kernels,
-                                               ("n_experts", "inter", "gate_up_proj", "down_proj")))
-                n += 1
-            elif type(child) is RMSNorm and not nn.utils.parametrize.is_parametrized(child):
-                setattr(parent, name, _swapped(NativeRMSNorm, child, kernels, ("weight", "eps")))
-                n += 1
-            elif (type(child) is nn.Linear and not nn.utils.parametrize.is_parametrized(child)
-                  and is_transposed(child.weight)):  # (kv_b_proj stays: the absorbed attention reads it as a matrix)
-                setattr(parent, name, _swapped(NativeLinear, child, kernels,
-                                               ("in_features", "out_features", "weight", "bias")))
-                n += 1
-    for parent in list(model.modules()):  # after their projections and norms were swapped, which they share
-        for name, child in list(parent.named_children()):
-            if type(child) is GQAttention:
-                setattr(parent, name, _swapped(NativeGQAttention, child, kernels, _GQA_SHARED))
+            if type(child) in (DecoderLayer, MTPLayer):
+                cls = NativeDecoderLayer if type(child) is DecoderLayer else NativeMTPLayer
+                setattr(parent, name, _swapped(cls, child, layer_kernel=layer_kernel))
                 n += 1
     return n
 
@@ -171,7 +279,7 @@ INT8_MAX_ROWS = 8
 
 
 class NativeLayerKernel:
-    """The model's `LayerKernel` (glm5.model.paged) on `NativeKernels.decode_layer`: a whole decoder layer in
+    """`NativeKernels.decode_layer` for `NativeDecoderLayer`: a whole decoder layer in
     one native call for decode steps (at most `max_rows` rows, at most LAYER_MAX_QUERIES per sequence: one
     token, a token and its drafts, a short prompt) in one identity group, attending every allowed key or,
     past `index_topk` keys, a DSA top-k selection (the layer's own indexer, or the previous layer's selection
@@ -190,8 +298,18 @@ class NativeLayerKernel:
         self._keys: tuple[AttnGroup, torch.Tensor, torch.Tensor] | None = None  # the step's key table
         self._plans: dict[tuple[int, bool], LayerPlan] = {}  # (id(layer), index key) -> its plan
 
+    # A copy or a pickle of the served model gets a kernel of its own with no plans (plans point at the
+    # original layers' weights, and their ctypes specs cannot be pickled); it rebuilds them on first use.
+    def __deepcopy__(self, memo) -> "NativeLayerKernel":
+        return NativeLayerKernel(self.kernels, self.max_rows)
+
+    def __reduce__(self):
+        return (NativeLayerKernel, (self.kernels, self.max_rows))
+
     def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx: PagedContext, prev_sel: list | None = None) -> tuple[torch.Tensor, list, dict | None] | None:
+        """The layer's contract, x [1, N, hidden] and the previous layer's per-group selections -> (out
+        [1, N, hidden], per-group selections, router stats or None); None where the kernel does not apply."""
         meta, cache = ctx.meta, ctx.cache
         N = meta.num_tokens
         if (N > self.max_rows or len(meta.groups) != 1 or meta.adapter_ids is not None
@@ -249,6 +367,25 @@ class NativeLayerKernel:
                                           "tokens_per_expert": counts, "dropped_tokens": 0}
 
 
+class NativeDecoderLayer(DecoderLayer):
+    """`DecoderLayer` whose paged steps are first offered to the whole-layer decode kernel
+    (`NativeLayerKernel`, shared by every layer of the model); where it does not apply the layer runs its
+    own (native-swapped) modules."""
+
+    layer_kernel: NativeLayerKernel
+
+    def forward(self, x, cos, sin, ctx, prev_sel=None):
+        if isinstance(ctx, PagedContext):
+            done = self.layer_kernel(self, x, cos, sin, ctx, prev_sel)
+            if done is not None:
+                return done
+        return super().forward(x, cos, sin, ctx, prev_sel)
+
+
+class NativeMTPLayer(MTPLayer, NativeDecoderLayer):
+    """The MTP layer with `NativeDecoderLayer`'s forward (its `forward_mtp` runs the layer through it)."""
+
+
 def _f32(t: torch.Tensor | None, shape: tuple[int, ...] | None = None) -> bool:
     return (t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
             and (shape is None or tuple(t.shape) == shape))
@@ -303,7 +440,7 @@ def _lin(plan: LayerPlan, parent: nn.Module, name: str, n_in: int, n_out: int,
                 or tuple(w.shape) != (n_out, n_in) or w.stride() != (1, n_out) or (b is not None and not _f32(b, (n_out,)))):
             return None
         return w.data_ptr(), None if b is None else b.data_ptr(), None
-    if int8 and type(mod) is Int8Linear:
+    if int8 and type(mod) in (Int8Linear, NativeInt8Linear):
         w, sc, b = plan.tensor(mod, "weight_int8"), plan.tensor(mod, "scale"), plan.tensor(mod, "bias")
         if (w is None or w.dtype != torch.int8 or w.device.type != "cpu" or tuple(w.shape) != (n_out, n_in)
                 or not w.is_contiguous() or not _f32(sc, (n_out,)) or (b is not None and not _f32(b, (n_out,)))):
@@ -388,8 +525,8 @@ def _mlp_fields(plan: LayerPlan, mlp: nn.Module, cfg, D: int) -> dict | None:
             return None
         gate, ex, sh = plan.mod(mlp, "gate"), plan.mod(mlp, "experts"), plan.mod(mlp, "shared_experts")
         NE, A, EI = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        if (type(gate) is not Router or type(ex) not in (NativeExperts, Int8Experts)
-                or type(sh) is not SwiGLU or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64
+        if (type(gate) not in (Router, NativeRouter) or type(ex) not in (NativeExperts, Int8Experts)
+                or type(sh) not in (SwiGLU, NativeSwiGLU) or cfg.scoring_func not in ("sigmoid", "softmax") or NE > 1024 or A > 64
                 or NE % max(cfg.n_group, 1)):
             return None
         wr, rb = plan.tensor(gate, "weight"), plan.tensor(gate, "e_score_correction_bias")
@@ -420,7 +557,7 @@ def _mlp_fields(plan: LayerPlan, mlp: nn.Module, cfg, D: int) -> dict | None:
                  softmax_scores=int(cfg.scoring_func == "softmax"), norm_topk=int(cfg.norm_topk_prob),
                  temperature=cfg.router_temperature, scaling=cfg.routed_scaling_factor, wr=wr.data_ptr(),
                  rbias=rb.data_ptr(), gu=gu.data_ptr(), dn=dn.data_ptr())
-    elif type(mlp) is SwiGLU:
+    elif type(mlp) in (SwiGLU, NativeSwiGLU):
         FI = mlp.gate_proj.out_features
         ffn = [_lin(plan, mlp, "gate_proj", D, FI), _lin(plan, mlp, "up_proj", D, FI), _lin(plan, mlp, "down_proj", FI, D)]
         if not FI or any(f is None or f[1] is not None for f in ffn):

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from glm5.model.kv_cache import LatentKVCache, selection_possible
-from glm5.model.latent_attention import LatentKernel, MLAKernel
-from glm5.model.layers import RopeKernel
 from glm5.model.model import GLM5ForCausalLM
-from glm5.model.paged import AttnMetadata, LayerKernel
+from glm5.model.paged import AttnMetadata
 
 from .config import EngineConfig
 from .graphs import DecodeGraphs, bucket_sizes
@@ -56,13 +54,11 @@ class _Rows:
 class ModelRunner:
     def __init__(self, model: GLM5ForCausalLM, config: EngineConfig, num_blocks: int,
                  sampler: Sampler | None = None, device: str | torch.device = "cpu",
-                 cache_dtype: torch.dtype = torch.float32, latent_kernel: LatentKernel | None = None,
-                 mla_kernel: MLAKernel | None = None, rope_kernel: RopeKernel | None = None,
-                 layer_kernel: LayerKernel | None = None):
+                 cache_dtype: torch.dtype = torch.float32, sort_by_length: bool = True):
+        """sort_by_length: order each decode group's sequences longest first (the PyTorch latent attention
+        trims its key blocks by it; the native kernels read each sequence's own keys and need no order)."""
         self.model, self.config, self.device = model, config, torch.device(device)
-        # handed to the model with each step's metadata
-        self.latent_kernel, self.mla_kernel, self.rope_kernel = latent_kernel, mla_kernel, rope_kernel
-        self.layer_kernel = layer_kernel
+        self.sort_by_length = sort_by_length
         self.cfg = model.config
         self.block_size = config.block_size
         self.with_mtp = config.speculative_num_tokens > 0
@@ -93,9 +89,7 @@ class ModelRunner:
 
     # ---- forward ----------------------------------------------------------------------------------
     def metadata(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, AttnMetadata]:
-        ids, meta = build_metadata(chunks, self.block_size, self.device, sort_by_length=self.latent_kernel is None)
-        meta.latent_kernel, meta.mla_kernel, meta.rope_kernel = self.latent_kernel, self.mla_kernel, self.rope_kernel
-        meta.layer_kernel = self.layer_kernel
+        ids, meta = build_metadata(chunks, self.block_size, self.device, sort_by_length=self.sort_by_length)
         return ids, meta
 
     @torch.inference_mode()

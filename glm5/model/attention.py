@@ -24,8 +24,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .indexer import Indexer, dsa_topk, window_select
-from .latent_attention import LatentKernel, dense_latent_attention, gathered_latent_attention
-from .layers import RMSNorm, RopeKernel, apply_rope
+from .latent_attention import dense_latent_attention, gathered_latent_attention
+from .layers import RMSNorm, apply_rope
 from .masks import MaskSpec
 from .paged import AttnGroup, PagedContext
 
@@ -37,10 +37,6 @@ Selection = tuple[torch.Tensor, torch.Tensor]  # (idx, valid) [B, T, K]: selecte
 DENSE_MASK_RATIO = 4
 # inference on CPU: score matrices up to this many elements (B * H * T * S) go through `_attend_math`
 SMALL_SCORES = 2**21
-# `AttnMetadata.mla_kernel` runs steps of at most this many tokens: it applies W_uk / W_uv per query row,
-# which beats two batched matmuls over the step only for very few rows (bench checkpoint, 1 thread, CPU
-# time per decode step fused / split: 0.94 at 1 sequence, 1.07 at 8, 1.09 at 64)
-FUSED_MLA_MAX_ROWS = 2
 
 
 class MLAttention(nn.Module):
@@ -64,19 +60,23 @@ class MLAttention(nn.Module):
                                 cfg.qk_rope_head_dim, cfg.indexer_rope_interleave) if has_indexer else None)
 
     # --- projections -------------------------------------------------------------------------------
-    def project_q(self, x: torch.Tensor, cos, sin, rope: RopeKernel = apply_rope):
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the rope part of queries / keys (`apply_rope` in the checkpoint's pair layout)."""
+        return apply_rope(x, cos, sin, self.cfg.rope_interleave)
+
+    def project_q(self, x: torch.Tensor, cos, sin):
         """-> q_nope [B, T, H, E], q_rope (rotated) [B, T, H, P], q_resid [B, T, q_lora_rank]."""
         B, T, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, T, self.n_heads, self.nope + self.rope)  # [B, T, H, E+P]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        q_rope = rope(q_rope, cos[:, :, None], sin[:, :, None], self.cfg.rope_interleave)
+        q_rope = self.rotate(q_rope, cos[:, :, None], sin[:, :, None])
         return q_nope, q_rope, q_resid
 
-    def project_kv(self, x: torch.Tensor, cos, sin, rope: RopeKernel = apply_rope):
+    def project_kv(self, x: torch.Tensor, cos, sin):
         """-> normalised latent c_kv [B, S, R] and the rotated shared rope key [B, S, P]: the MLA cache."""
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], dim=-1)
-        return self.kv_a_layernorm(c_kv), rope(k_rope, cos, sin, self.cfg.rope_interleave)
+        return self.kv_a_layernorm(c_kv), self.rotate(k_rope, cos, sin)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight
@@ -159,9 +159,8 @@ class MLAttention(nn.Module):
     def _forward_paged(self, x, cos, sin, ctx: PagedContext, prev_sel: list | None):
         """Flat tokens x [1, N, hidden] -> (out [1, N, hidden], per-group selections)."""
         meta, cache, layer = ctx.meta, ctx.cache, self.layer_idx
-        rope = meta.rope_kernel or apply_rope
-        q_nope, q_rope, q_resid = self.project_q(x, cos, sin, rope)  # [1, N, H, E], [1, N, H, P]
-        c_kv, k_rope = self.project_kv(x, cos, sin, rope)  # [1, N, R], [1, N, P]
+        q_nope, q_rope, q_resid = self.project_q(x, cos, sin)  # [1, N, H, E], [1, N, H, P]
+        c_kv, k_rope = self.project_kv(x, cos, sin)  # [1, N, R], [1, N, P]
         qi = wi = ki = None
         if self.indexer is not None and cache.index_k[layer] is not None:
             ki = self.indexer.project_k(x, cos, sin)[0]  # [N, D]: every full layer caches its indexer key
@@ -176,40 +175,43 @@ class MLAttention(nn.Module):
                 for gi, g in enumerate(meta.groups)]
         # per-row kv_b_proj adapters (multi-LoRA) act on the absorbed path only (see glm5/infer/lora.py)
         expand = [meta.adapter_ids is None and self._expands(g, sel) for g, sel in zip(meta.groups, sels)]
-        fused = self._fused_kv_b(meta)  # the kv_b_proj weight when meta.mla_kernel may run absorbed groups
-        if not any(expand) and (fused is None or any(sel is not None for sel in sels)):
+        fused = self.fuses_absorbed(ctx)  # small steps: each group's absorbed path in one piece
+        if not any(expand) and (not fused or any(sel is not None for sel in sels)):
             # all absorbed (decode steps): W_uk once over the step, W_uv + o_proj once
             qq = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [N, H, R+P]
             o_lat = None  # [N, H, R]
             for g, sel in zip(meta.groups, sels):
-                o_lat = _place(o_lat, g, self._attend_latent(g, _rows(g, qq), latent, sel, meta.latent_kernel), N)
+                o_lat = _place(o_lat, g, self._attend_latent(g, _rows(g, qq), latent, sel), N)
             return self.latent_to_output(o_lat)[None], sels
         # [N, H, V]: expanded groups, fused ones (small steps) and other absorbed ones (W_uk / W_uv on their rows)
         o_heads = None
         for g, sel, exp in zip(meta.groups, sels, expand):
             if exp:
                 og = self._attend_expanded(g, q_nope, q_rope, latent, sel)  # [B, T, H, V]
-            elif fused is not None and sel is None:
-                og = meta.mla_kernel(_rows(g, q_nope), _rows(g, q_rope), fused, latent, g.key_slots, g.key_bias,
-                                     self.scale, g.key_lens)
+            elif sel is None:
+                og = self.absorbed_heads(g, _rows(g, q_nope), _rows(g, q_rope), latent)
             else:
                 qg = torch.cat([self.absorb_q(_rows(g, q_nope)), _rows(g, q_rope)], dim=-1)  # [B, T, H, R+P]
-                og = self.latent_to_heads(self._attend_latent(g, qg, latent, sel, meta.latent_kernel))
+                og = self.latent_to_heads(self._attend_latent(g, qg, latent, sel))
             o_heads = _place(o_heads, g, og, N)
         return self.o_proj(o_heads.flatten(-2))[None], sels
 
-    def _fused_kv_b(self, meta) -> torch.Tensor | None:
-        """kv_b_proj's weight when `meta.mla_kernel` should run this layer's absorbed groups: a kernel is
-        given, the step is small (FUSED_MLA_MAX_ROWS), no per-row adapters are active (they add to W_uk /
-        W_uv's products) and the weight is a plain contiguous tensor (not a tensor-parallel shard or a
-        parametrisation)."""
-        if meta.mla_kernel is None or meta.adapter_ids is not None or meta.num_tokens > FUSED_MLA_MAX_ROWS:
-            return None
-        mod = self.kv_b_proj
-        if type(mod) is not nn.Linear or nn.utils.parametrize.is_parametrized(mod):
-            return None
-        w = mod.weight
-        return w if type(w) is nn.Parameter and w.is_contiguous() else None
+    def fuses_absorbed(self, ctx: PagedContext) -> bool:
+        """Whether this step attends each absorbed group in one piece (`absorbed_heads` per group) rather than
+        W_uk once over the step, the groups' attention, then W_uv once: never here (the two are equal; the
+        engine's native module, glm5/infer/kernels.py, fuses small steps into one kernel call per group)."""
+        return False
+
+    def absorbed_heads(self, g: AttnGroup, q_nope: torch.Tensor, q_rope: torch.Tensor,
+                       latent: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA of one group over every allowed key from its un-absorbed queries q_nope [B, T, H, E],
+        q_rope [B, T, H, P] -> per-head values [B, T, H, V]: W_uk into the query, latent attention, W_uv."""
+        qg = torch.cat([self.absorb_q(q_nope), q_rope], dim=-1)  # [B, T, H, R+P]
+        return self.latent_to_heads(self.dense_latent(g, qg, latent))
+
+    def dense_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention of one group's queries q [B, T, H, R+P] over every allowed cached key -> [B, T, H, R]."""
+        return dense_latent_attention(q, latent, g.key_slots, g.key_bias, self.kv_rank, self.scale, g.key_lens)
 
     def _expands(self, g: AttnGroup, sel) -> bool:
         """Whether to attend this group with per-head K/V (kv_b_proj on the cached latents, then SDPA: the
@@ -249,13 +251,11 @@ class MLAttention(nn.Module):
         mask = MaskSpec(causal=False, attention_mask=g.allowed, q_positions=g.q_pos)
         return self.select(qi[g.q_index], wi[g.q_index], ki, mask, None)  # [B, T, I, D], [B, T, I]
 
-    def _attend_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor, sel,
-                       kernel: LatentKernel | None = None) -> torch.Tensor:
+    def _attend_latent(self, g: AttnGroup, q: torch.Tensor, latent: torch.Tensor, sel) -> torch.Tensor:
         """Absorbed MLA for one group's queries q [B, T, H, R+P] over cache rows `latent` [slots, R+P]
-        -> [B, T, H, R]; `kernel` replaces `dense_latent_attention` when given."""
+        -> [B, T, H, R]: every allowed key, or the selected ones."""
         if sel is None:
-            return (kernel or dense_latent_attention)(q, latent, g.key_slots, g.key_bias, self.kv_rank, self.scale,
-                                                      g.key_lens)
+            return self.dense_latent(g, q, latent)
         return gathered_latent_attention(q, latent, g.key_slots, sel[0], sel[1], self.kv_rank, self.scale)
 
     # --- training kernels -----------------------------------------------------------------------------

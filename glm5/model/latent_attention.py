@@ -14,33 +14,12 @@ Dims: B sequences, T queries, S keys, H heads, W = R+P latent row width, R kv_lo
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 # Scores / gathered rows are built a block of queries at a time so that a block stays under this size.
 SCORE_CHUNK_BYTES = 64 * 2**20
 # Dense decode: key rows gathered per block of sequences (see dense_latent_attention).
 KEY_BLOCK_BYTES = 2**20
-
-
-class LatentKernel(Protocol):
-    """A replacement for `dense_latent_attention` with its contract (e.g. the native CPU kernel,
-    glm5/native); the engine hands one to the model in `AttnMetadata.latent_kernel`."""
-
-    def __call__(self, qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,
-                 kv_rank: int, scale: float, key_lens: list[int] | None = None) -> torch.Tensor: ...
-
-
-class MLAKernel(Protocol):
-    """Absorbed MLA for one group from the un-absorbed query, with W_uk and W_uv read from the kv_b_proj
-    weight [H*(E+V), R]: q_nope [B, T, H, E], q_rope [B, T, H, P] -> per-head values [B, T, H, V]; equal to
-    `MLAttention.latent_to_heads(dense_latent_attention(cat(absorb_q(q_nope), q_rope), ...))`. The native
-    CPU kernel (glm5/native) implements it; the engine hands it over in `AttnMetadata.mla_kernel`."""
-
-    def __call__(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_b: torch.Tensor, latent: torch.Tensor,
-                 key_slots: torch.Tensor, bias: torch.Tensor, scale: float,
-                 key_lens: list[int] | None = None) -> torch.Tensor: ...
 
 
 def dense_latent_attention(qq: torch.Tensor, latent: torch.Tensor, key_slots: torch.Tensor, bias: torch.Tensor,

@@ -5,8 +5,6 @@ Dims: B batch, T sequence, H heads, D head dim.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,13 +72,6 @@ def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     """cos/sin of the per-pair angles, fp32: [..., dim/2] for positions [...]."""
     freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)
     return freqs.cos(), freqs.sin()
-
-
-class RopeKernel(Protocol):
-    """A replacement for `apply_rope` with its contract (the native CPU kernel, glm5/native; the engine hands
-    it to the model in `AttnMetadata.rope_kernel`)."""
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor: ...
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -62,10 +62,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, ctx: MaskSpec | PagedContext, prev_sel=None):
         """-> (hidden [B, T, H], selection or None, router stats dict or None)."""
-        if isinstance(ctx, PagedContext) and ctx.meta.layer_kernel is not None:
-            done = ctx.meta.layer_kernel(self, x, cos, sin, ctx, prev_sel)
-            if done is not None:
-                return done
         a, sel = self.self_attn(self.input_layernorm(x), cos, sin, ctx, prev_sel)
         out, stats = self.feed_forward(x + a, ctx)
         return out, sel, stats
@@ -102,7 +98,7 @@ class MTPLayer(DecoderLayer):
     def forward_mtp(self, emb_next, hidden, cos, sin, ctx: MaskSpec | PagedContext):
         """emb_next [B, T, H] (embedding of token t+1), hidden [B, T, H] (main h_t) -> normed [B, T, H]."""
         z = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(hidden)], dim=-1))
-        z, _, stats = DecoderLayer.forward(self, z, cos, sin, ctx, None)
+        z, _, stats = self.forward(z, cos, sin, ctx, None)
         return self.shared_head.norm(z), stats
 
 

@@ -18,11 +18,8 @@ Extension points, so later features extend this dataclass instead of forking the
     the same flat order as the hidden states every projection sees ([1, N, H]); swapped LoRA linear
     modules gather their per-row adapters from it (the layers already receive the paged context).
 
-Attention backend: `latent_kernel`, when set, replaces `dense_latent_attention` for absorbed groups
-without a top-k selection, and `mla_kernel` the whole absorbed path of such a group (W_uk, attention, W_uv)
-where kv_b_proj is a plain weight and no per-row adapters are active (the engine sets the native CPU
-kernels, glm5/native, for fp32 caches). `layer_kernel`, when set, is offered each decoder layer first and may
-run the whole layer (it returns None where it does not apply, and the layer runs its own modules).
+Backends: none here. The metadata is plain data (tensors, ints, flags); which kernels compute a layer is
+decided once, when the engine is built, by swapping modules (glm5/infer/kernels.py), never per step.
 
 Per-token tags: `row_tags` [N] int64 is a tag per flat token that the engine sets for the experts
 modules it swaps in (`glm5.model.moe.TaggedExperts`, which receive it as a forward argument); the model
@@ -40,14 +37,11 @@ Dims: N flat tokens, B sequences in a group, T queries per sequence (padded), S 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from .kv_cache import LatentKVCache
-from .latent_attention import LatentKernel, MLAKernel
-from .layers import RopeKernel
 
 
 @dataclass
@@ -81,17 +75,6 @@ class AttnGroup:
         return self._key_bias
 
 
-class LayerKernel(Protocol):
-    """Runs one decoder layer (`glm5.model.model.DecoderLayer`) over a paged step in one go when it can,
-    with the layer's contract: x [1, N, hidden] and the previous layer's per-group selections -> (out
-    [1, N, hidden], per-group selections, router stats or None); None when it does not apply (the layer
-    then runs its own modules). The native CPU kernel (glm5/infer/kernels.py) implements it for decode
-    steps."""
-
-    def __call__(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 ctx: "PagedContext", prev_sel: list | None = None) -> tuple[torch.Tensor, list, dict | None] | None: ...
-
-
 @dataclass
 class AttnMetadata:
     positions: torch.Tensor  # [N] RoPE positions
@@ -102,10 +85,6 @@ class AttnMetadata:
     block_position_ids: torch.Tensor | None = None  # [N] GLM 2D positions (blank infilling, issue 13)
     adapter_ids: torch.Tensor | None = None  # [N] LoRA adapter slot per token, -1 = base (issue 9)
     row_tags: torch.Tensor | None = None  # [N] int64 per-token tag for swapped-in `TaggedExperts` (None: no tags)
-    latent_kernel: LatentKernel | None = None  # runs the dense absorbed attention instead of the PyTorch one
-    mla_kernel: MLAKernel | None = None  # ... or the whole absorbed path (W_uk, attention, W_uv) in one call
-    rope_kernel: RopeKernel | None = None  # rotates the attention's q / k instead of `apply_rope`
-    layer_kernel: LayerKernel | None = None  # ... or runs whole decoder layers (see LayerKernel)
     # a captured step (glm5/infer/graphs.py: torch.compile, CUDA graphs): shapes are the bucket's, and the
     # layers take only branches without host syncs or data-dependent shapes (a Python-static choice)
     static_shapes: bool = False

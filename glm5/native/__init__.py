@@ -55,6 +55,9 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
     "glm5_rope_heads": ([_P, _L, _L, _P, _P, _L, _I, _I], None),
     "glm5_rms_norm": ([_P, _L, _P, _P, _L, _I, _F], None),
+    "glm5_linear_int8": ([_P, _L, _I, _I, _P, _P, _I, _P, _P], None),
+    "glm5_swiglu": ([_P, _L, _I, _I, _I, _P, _P, _P, _P, _I], _I),
+    "glm5_route": ([_P, _L, _L, _I, _P, _P, _I, _I, _F, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I], _I),
     "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P,
                            _I], _I),
 }
@@ -320,6 +323,68 @@ class NativeKernels:
         out = torch.empty(x.shape, dtype=x.dtype)
         self.lib.glm5_rms_norm(x.data_ptr(), ld, weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
         return out
+
+    def linear_int8(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`Int8Linear`'s product for fp32 CPU x [..., in] with evenly spaced rows: weight int8 [out, in]
+        row-major, scale fp32 [out], bias fp32 [out] or None -> a contiguous [..., out] = (x @ weight^T) *
+        scale + bias. Reads each weight row once per input row: meant for a few rows (decode)."""
+        N, K = weight.shape
+        ld = rows_stride(x)
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != K or ld is None
+                or weight.dtype != torch.int8 or not weight.is_contiguous() or scale.dtype != torch.float32
+                or tuple(scale.shape) != (N,) or not scale.is_contiguous()
+                or (bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (N,)
+                                          or not bias.is_contiguous()))):
+            raise ValueError(f"linear_int8: x {list(x.shape)} {x.dtype} / weight {list(weight.shape)} {weight.dtype} "
+                             "not supported")
+        out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+        self.lib.glm5_linear_int8(x.data_ptr(), ld, x.numel() // K, K, weight.data_ptr(), scale.data_ptr(), N,
+                                  None if bias is None else bias.data_ptr(), out.data_ptr())
+        return out
+
+    def swiglu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               threads: int | None = None) -> torch.Tensor:
+        """`SwiGLU` (down(silu(gate(x)) * up(x))) for fp32 CPU x [..., D] with evenly spaced rows and the
+        three nn.Linear weights gate / up [F, D], down [D, F], each stored [in, out] row-major (the engine's
+        CPU layout) -> a contiguous [..., D]."""
+        F_, D = gate.shape
+        ld = rows_stride(x)
+        ok = (x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == D and ld is not None
+              and tuple(up.shape) == (F_, D) and tuple(down.shape) == (D, F_)
+              and all(w.dtype == torch.float32 and w.device.type == "cpu" and w.stride() == (1, w.shape[0])
+                      for w in (gate, up, down)))
+        if not ok:
+            raise ValueError(f"swiglu: x {list(x.shape)} {x.dtype} / gate {list(gate.shape)} {gate.stride()} "
+                             "not supported")
+        out = torch.empty(*x.shape[:-1], D, dtype=torch.float32)
+        rc = self.lib.glm5_swiglu(x.data_ptr(), ld, x.numel() // D, D, F_, gate.data_ptr(), up.data_ptr(),
+                                  down.data_ptr(), out.data_ptr(), threads or torch.get_num_threads())
+        _raise(rc)
+        return out
+
+    def route(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, temperature: float,
+              softmax: bool, n_group: int, topk_group: int, norm_topk: bool, scaling: float,
+              threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`Router.forward` for fp32 CPU x [N, D] with evenly spaced rows, router weight [E, D] and correction
+        bias [E] (fp32, contiguous) -> (logits [N, E], scores [N, E], weights [N, A], idx [N, A] int64; the
+        chosen experts best first)."""
+        N, D = x.shape
+        E = weight.shape[0]
+        ld = rows_stride(x)
+        if ld is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"route: x {list(x.shape)} {x.dtype} not supported")
+        _check(weight, "weight", (E, D))
+        _check(bias, "bias", (E,))
+        logits, scores = x.new_empty(N, E), x.new_empty(N, E)
+        weights, idx = x.new_empty(N, top_k), torch.empty(N, top_k, dtype=torch.int64)
+        rc = self.lib.glm5_route(x.data_ptr(), ld, N, D, weight.data_ptr(), bias.data_ptr(), E, top_k, temperature,
+                                 int(softmax), n_group, topk_group, int(norm_topk), scaling, logits.data_ptr(),
+                                 scores.data_ptr(), idx.data_ptr(), weights.data_ptr(),
+                                 threads or torch.get_num_threads())
+        _raise(rc, f"{n_group} expert groups of {E} experts keeping {topk_group} cannot choose {top_k}",
+               f"more than 1024 experts or top_k {top_k} > {E}")
+        return logits, scores, weights, idx
 
     def decode_layer(self, spec: LayerSpec, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      slot_mapping: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor | None,

@@ -8,6 +8,9 @@
  *   glm5_rope_heads    the same in place on head rows   == GQAttention._rotate (half-split, partial)
  *   glm5_rms_norm      RMSNorm, fp32                    == glm5.model.layers.RMSNorm
  *   glm5_linear        a few rows through a linear layer == torch.nn.functional.linear
+ *   glm5_linear_int8   the same, int8 weight + scales   == glm5.infer.quant.Int8Linear
+ *   glm5_swiglu        SwiGLU MLP (dense, shared expert) == glm5.model.layers.SwiGLU
+ *   glm5_route         the MoE router                   == glm5.model.moe.Router
  *   glm5_decode_layer  a decoder layer at decode         == glm5.model.model.DecoderLayer (paged, no selection)
  *
  * Why native: at decode sizes the first three are memory-bound loops over small products (a few rows per
@@ -733,13 +736,13 @@ static inline v8 i8x8(const int8_t *w) {
 #endif
 }
 
-static void lin8(const float *x, int R, int K, const int8_t *w, const float *scale, int N, const float *bias,
-                 float *y) {
+static void lin8(const float *x, long ldx, int R, int K, const int8_t *w, const float *scale, int N,
+                 const float *bias, float *y) {
     int kv = K / 16 * 16;
     for (int n = 0; n < N; n++) {
         const int8_t *wr = w + (long)n * K;
         for (int r = 0; r < R; r++) {
-            const float *xr = x + (long)r * K;
+            const float *xr = x + (long)r * ldx;
             v8 a0 = {0}, a1 = {0};
             int k = 0;
             for (; k < kv; k += 16) {
@@ -757,7 +760,7 @@ static void lin8(const float *x, int R, int K, const int8_t *w, const float *sca
 static void lin(const float *x, int R, int K, const float *wt, const float *scale, int N, const float *bias, float *y,
                 int nt) {
     if (scale) {
-        lin8(x, R, K, (const int8_t *)wt, scale, N, bias, y);
+        lin8(x, K, R, K, (const int8_t *)wt, scale, N, bias, y);
         return;
     }
     float *part = nt > 1 && R <= LIN_ROWS && (long)K * N >= LIN_SPLIT && K >= 8 * nt
@@ -784,19 +787,62 @@ static void lin(const float *x, int R, int K, const float *wt, const float *scal
     free(part);
 }
 
-/* SwiGLU down(silu(x wg) * (x wu)) for R rows into y [R, D]; buf holds 2 * R * F floats. */
-static void swiglu_rows(const layer_t *L, const float *x, int R, int D, int F, float *buf, float *y, int nt) {
+/* SwiGLU down(silu(x wg) * (x wu)) for R rows (x rows ldx apart) into y [R, D]; buf holds 2 * R * F floats.
+ * Weights [in, out]-stored fp32, or int8 [out, in] where their scale (s_*) is given. */
+static int swiglu_w(const float *x, long ldx, int R, int D, int F, const float *wg, const float *s_g,
+                    const float *wu, const float *s_u, const float *wd, const float *s_d, float *buf, float *y,
+                    int nt) {
     float *g = buf, *u = buf + (long)R * F;
-    lin(x, R, D, L->wg, L->s_g, F, NULL, g, nt);
-    lin(x, R, D, L->wu, L->s_u, F, NULL, u, nt);
+    const float *xc = x;
+    float *xcopy = NULL;
+    if (ldx != D) { /* lin reads rows K apart */
+        xcopy = malloc(sizeof(float) * (long)R * D);
+        if (!xcopy) return 1;
+        for (int r = 0; r < R; r++) memcpy(xcopy + (long)r * D, x + r * ldx, sizeof(float) * D);
+        xc = xcopy;
+    }
+    lin(xc, R, D, wg, s_g, F, NULL, g, nt);
+    lin(xc, R, D, wu, s_u, F, NULL, u, nt);
     for (long i = 0; i < (long)R * F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    lin(g, R, F, L->wd, L->s_d, D, NULL, y, nt);
+    lin(g, R, F, wd, s_d, D, NULL, y, nt);
+    free(xcopy);
+    return 0;
 }
 
-/* The router of one token: logits / scores [NE] out, the A chosen experts and their weights
- * (glm5.model.moe.Router: fp32 logits, sigmoid or softmax scores, the correction bias for the choice
- * only, group-limited choice when n_group > 1, weights renormalised and scaled). */
-static void route(const layer_t *L, const float *x, float *logits, float *scores, int64_t *idx, float *w) {
+static void swiglu_rows(const layer_t *L, const float *x, int R, int D, int F, float *buf, float *y, int nt) {
+    (void)swiglu_w(x, D, R, D, F, L->wg, L->s_g, L->wu, L->s_u, L->wd, L->s_d, buf, y, nt); /* rows D apart: no copy */
+}
+
+/* y [R, D] = down(silu(x wg) * (x wu)) (glm5.model.layers.SwiGLU: a dense MLP or the shared expert) for R
+ * rows of x (ldx apart) and fp32 [in, out]-stored weights wg / wu [D, F], wd [F, D]. Returns 1 when out of
+ * memory. */
+int glm5_swiglu(const float *x, long ldx, int R, int D, int F, const float *wg, const float *wu, const float *wd,
+                float *y, int threads) {
+    float *buf = malloc(sizeof(float) * 2 * (long)R * (F ? F : 1));
+    if (!buf) return 1;
+    int rc = swiglu_w(x, ldx, R, D, F, wg, NULL, wu, NULL, wd, NULL, buf, y, n_threads(threads));
+    free(buf);
+    return rc;
+}
+
+/* y [R, N] = x [R, K] @ (w * scale)^T (+ bias) for an int8 weight w [N, K] row-major with per-output fp32
+ * scales (glm5.infer.quant.Int8Linear's arithmetic), x rows ldx apart: one weight row at a time. */
+void glm5_linear_int8(const float *x, long ldx, int R, int K, const int8_t *w, const float *scale, int N,
+                      const float *bias, float *y) {
+    lin8(x, ldx, R, K, w, scale, N, bias, y);
+}
+
+/* Router options (glm5.model.moe.Router): fp32 logits over wr [NE, D] row-major / temperature, sigmoid or
+ * softmax scores, the correction bias rbias for the choice only, group-limited choice when n_group > 1,
+ * weights renormalised (norm_topk) and scaled. */
+typedef struct {
+    int D, NE, A, n_group, topk_group, softmax_scores, norm_topk;
+    float temperature, scaling;
+    const float *wr, *rbias;
+} router_t;
+
+/* The router of one token: logits / scores [NE] out, the A chosen experts and their weights. */
+static void route(const router_t *L, const float *x, float *logits, float *scores, int64_t *idx, float *w) {
     const int NE = L->NE, A = L->A;
     float choice[1024];
     for (int e = 0; e < NE; e++) logits[e] = dot(x, L->wr + (long)e * L->D, L->D) / L->temperature;
@@ -842,6 +888,24 @@ static void route(const layer_t *L, const float *x, float *logits, float *scores
         sum += w[k];
     }
     for (int k = 0; k < A; k++) w[k] = (L->norm_topk ? w[k] / (sum + 1e-20f) : w[k]) * L->scaling;
+}
+
+/* The router over N tokens x [N, D] (rows ldx apart): logits / scores [N, NE], the A chosen experts idx
+ * [N, A] (best first) and their weights w [N, A]. Returns 3 for more than 1024 experts, 2 for groups that
+ * do not divide the experts or keep fewer experts than A. */
+int glm5_route(const float *x, long ldx, long N, int D, const float *wr, const float *rbias, int NE, int A,
+               float temperature, int softmax_scores, int n_group, int topk_group, int norm_topk, float scaling,
+               float *logits, float *scores, int64_t *idx, float *w, int threads) {
+    if (NE > 1024 || A > NE) return 3;
+    if (n_group > 1 && (NE % n_group || topk_group < 1 || topk_group > n_group || (long)topk_group * (NE / n_group) < A))
+        return 2;
+    router_t rt = {D, NE, A, n_group, topk_group, softmax_scores, norm_topk, temperature, scaling, wr, rbias};
+    int nt = n_threads(threads);
+    nt = N < 16 ? 1 : nt;
+#pragma omp parallel for num_threads(nt) if (nt > 1)
+    for (long n = 0; n < N; n++)
+        route(&rt, x + n * ldx, logits + n * NE, scores + n * NE, idx + n * A, w + n * A);
+    return 0;
 }
 
 /* The k-th largest (k >= 1) of a[0:m] (m >= k), reordering a: quickselect. */
@@ -1018,8 +1082,10 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
         swiglu_rows(L, xn, (int)N, D, L->FI, fb, m, nt);
     } else {
         const int NE = L->NE, A = L->A;
+        router_t rt = {D, NE, A, L->n_group, L->topk_group, L->softmax_scores, L->norm_topk, L->temperature,
+                       L->scaling, L->wr, L->rbias};
         for (long n = 0; n < N; n++) {
-            route(L, xn + n * D, stats + n * 2 * NE, stats + n * 2 * NE + NE, idx + n * A, rw + n * A);
+            route(&rt, xn + n * D, stats + n * 2 * NE, stats + n * 2 * NE + NE, idx + n * A, rw + n * A);
             for (int k = 0; k < A; k++) counts[idx[n * A + k]]++;
         }
         if (L->s_gu) { /* INT8 experts: each row's experts in id order, as the expert loop adds them */
@@ -1045,9 +1111,9 @@ int glm5_decode_layer(const layer_t *L, const float *x, long N, const float *cs,
                 for (int j = 0; j < A; j++) {
                     const int64_t e = ord[j];
                     float *g = eb, *u = eb + EI, *y = eb + 2L * EI;
-                    lin8(xn + n * D, 1, D, (const int8_t *)L->gu + e * 2L * EI * D, L->s_gu + e * 2L * EI, 2 * EI, NULL, g);
+                    lin8(xn + n * D, D, 1, D, (const int8_t *)L->gu + e * 2L * EI * D, L->s_gu + e * 2L * EI, 2 * EI, NULL, g);
                     for (int i = 0; i < EI; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-                    lin8(g, 1, EI, (const int8_t *)L->dn + e * (long)D * EI, L->s_dn + e * (long)D, D, NULL, y);
+                    lin8(g, EI, 1, EI, (const int8_t *)L->dn + e * (long)D * EI, L->s_dn + e * (long)D, D, NULL, y);
                     for (int i = 0; i < D; i++) mo[i] += y[i] * ow[j];
                 }
             }
