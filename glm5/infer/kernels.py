@@ -120,11 +120,15 @@ INT8_MAX_ROWS = 8
 
 class NativeInt8Linear(Int8Linear):
     """`Int8Linear` whose no-grad fp32 CPU forward on a few rows runs the native int8 kernel (each int8
-    weight row converted in registers and dotted with the rows: a quarter of the fp32 weight stream)."""
+    weight row converted in registers and dotted with the fp32 rows, then scaled: a quarter of the fp32 weight
+    stream). That is the weight-only product exactly ("dequant"'s arithmetic; "int8pack" computes it with bf16
+    activations), so it serves modules on either kernel; a module on "int_mm" (W8A8: activations quantised
+    too) keeps its own forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight_int8
         if (not _cpu_f32(x) or not 0 < x.numel() <= INT8_MAX_ROWS * w.shape[1] or rows_stride(x) is None
+                or self.kernels["small"] == "int_mm"
                 or not w.is_contiguous() or self.scale.dtype != torch.float32
                 or (self.bias is not None and self.bias.dtype != torch.float32)):
             return super().forward(x)
