@@ -4,6 +4,7 @@ DSA top-k selecting) equals the normal paged step; it traces whole (no graph bre
 equals eager; the engine with `compile_decode` produces the eager engine's greedy tokens, reports its build
 time, and falls back to eager with one warning when the build fails. CUDA graphs: replay vs eager (gpu)."""
 
+import copy
 import logging
 
 import pytest
@@ -15,6 +16,7 @@ from glm5.infer.graphs import DecodeBuffers, DecodeGraphs, bucket_sizes, decode_
 from glm5.infer.input_batch import SeqChunk, build_metadata
 from glm5.infer.sampling import SamplingParams
 from glm5.model.kv_cache import LatentKVCache
+from glm5.native import load as load_native
 
 from ._tiny import tiny_model
 
@@ -161,6 +163,19 @@ def test_engine_captured_decode_equals_eager_engine(model, prompts, eager_tokens
     assert load == engine_load(model, prompts)
 
 
+def test_native_kernels_step_traces_whole_and_equals_eager(model, prompts, eager_tokens):
+    """With the native CPU kernels swapped in (typed ops with fake implementations, glm5/native/ops.py) the
+    captured step still traces whole (fullgraph) and serves the eager engine's greedy tokens; the whole-layer
+    kernel steps aside inside a captured step."""
+    if load_native() is None:
+        pytest.skip("no C compiler here: the native kernels cannot be built")
+    e = engine(copy.deepcopy(model), compile_decode="inductor", compile_backend="eager", kernels="native")
+    assert e.kernels is not None
+    assert greedy(e, prompts) == eager_tokens
+    stats = e.get_stats()
+    assert stats["decode_graph_steps"] > 0 and stats["decode_compile_disabled"] is None
+
+
 def engine_load(model, prompts) -> dict:
     e = engine(model)
     greedy(e, prompts)
@@ -171,10 +186,11 @@ def engine_load(model, prompts) -> dict:
 def test_inductor_engine_equals_eager_engine(model, prompts, eager_tokens):
     """Inductor's code (its in-place cache writes included: later steps read them) over whole requests:
     one compile per bucket the steps reach (~30-60 s each here)."""
-    e = engine(model, compile_decode="inductor")
-    assert greedy(e, prompts) == eager_tokens
-    stats = e.get_stats()
-    assert stats["decode_graph_steps"] > 0 and stats["decode_compile_disabled"] is None
+    for kernels in ("torch", "native"):
+        e = engine(copy.deepcopy(model), compile_decode="inductor", kernels=kernels)
+        assert greedy(e, prompts) == eager_tokens
+        stats = e.get_stats()
+        assert stats["decode_graph_steps"] > 0 and stats["decode_compile_disabled"] is None
 
 
 def test_build_failure_falls_back_to_eager_with_one_warning(model, prompts, eager_tokens, caplog):

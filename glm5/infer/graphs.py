@@ -251,11 +251,12 @@ def unsupported(model: GLM5ForCausalLM) -> str | None:
         return "the MoE capacity factor keeps data-dependent rows; unset moe_capacity_factor"
     for layer in model.model.main_layers:
         if isinstance(layer.mlp, MoE) and not _plain_experts(layer.mlp):
-            return (f"layer {layer.layer_idx}'s routed experts are {type(layer.mlp.experts).__name__} (INT8, offload "
-                    "or a native kernel), which has no static-shape branch; use kernels='torch' without "
-                    "quantization or offload")
+            return (f"layer {layer.layer_idx}'s routed experts are {type(layer.mlp.experts).__name__} (INT8 or "
+                    "offload), which has no static-shape branch; serve without quantization or offload")
     return None
 
 
 def _plain_experts(moe: MoE) -> bool:
-    return type(moe.experts) is Experts
+    """The fused experts module, or a subclass keeping its forward's `static_shapes` branch (the engine's
+    native module, glm5/infer/kernels.py)."""
+    return isinstance(moe.experts, Experts)

@@ -379,7 +379,7 @@ class NativeDecoderLayer(DecoderLayer):
     layer_kernel: NativeLayerKernel
 
     def forward(self, x, cos, sin, ctx, prev_sel=None):
-        if isinstance(ctx, PagedContext):
+        if isinstance(ctx, PagedContext) and not ctx.meta.static_shapes:  # (a captured step traces the modules)
             done = self.layer_kernel(self, x, cos, sin, ctx, prev_sel)
             if done is not None:
                 return done
