@@ -21,8 +21,14 @@ Kernels (each tested against its PyTorch reference in tests/test_native.py):
   * `NativeKernels.rms_norm`: RMSNorm's fp32 forward (glm5.model.layers.RMSNorm),
   * `NativeKernels.rope`: the rotary embedding (glm5.model.layers.apply_rope), and `rope_heads_` the same
     in place on head rows (half-split, partial rotary: GQAttention's `_rotate`),
+  * `NativeKernels.linear_int8`: the weight-only int8 product for a few rows (glm5.infer.quant.Int8Linear),
+  * `NativeKernels.swiglu`: a SwiGLU MLP / shared expert for a few rows (glm5.model.layers.SwiGLU),
+  * `NativeKernels.route`: the MoE router (glm5.model.moe.Router),
   * `NativeKernels.decode_layer`: a whole decoder layer for decode steps, built from the kernels above
     (glm5.model.model.DecoderLayer over a paged step; glm5.infer.kernels.NativeLayerKernel).
+
+`glm5.native.ops` declares each of them (but `decode_layer`) as a typed PyTorch operator,
+`torch.ops.glm5_native.<name>`, which is how the engine's modules call them.
 """
 
 from __future__ import annotations
