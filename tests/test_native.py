@@ -605,3 +605,18 @@ def test_layer_kernel_takes_a_short_prompt(kernels):
     assert ran and all(ran) and got.logits.shape[1] == len(prompt)
     assert torch.allclose(got.logits, ref.logits, atol=1e-5, rtol=1e-4)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(fast.runner.cache.latent, plain.runner.cache.latent))
+
+
+def test_the_layer_struct_mirror_is_checked_against_the_c_layout(kernels):
+    """`LayerSpec` (ctypes) is compared with kernels.c's `layer_t` field by field when the library loads; a
+    mirror with a field of the wrong type, a missing field or fields out of order is refused naming it."""
+    import ctypes
+    from glm5.native import LayerSpec, check_layout
+    check_layout(kernels.lib, LayerSpec)  # the shipped mirror matches
+    fields = list(LayerSpec._fields_)
+    wrong_type = [(n, ctypes.c_long if n == "eps_in" else t) for n, t in fields]
+    swapped = fields[:2][::-1] + fields[2:]
+    for bad, name in ((wrong_type, "eps_in"), (fields[:-1], "s_dn"), (swapped, "D")):
+        mirror = type("Mirror", (ctypes.Structure,), {"_fields_": bad})
+        with pytest.raises(NativeError, match=name):
+            check_layout(kernels.lib, mirror)

@@ -64,6 +64,7 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_linear_int8": ([_P, _L, _I, _I, _P, _P, _I, _P, _P], None),
     "glm5_swiglu": ([_P, _L, _I, _I, _I, _P, _P, _P, _P, _I], _I),
     "glm5_route": ([_P, _L, _L, _I, _P, _P, _I, _I, _F, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I], _I),
+    "glm5_layer_layout": ([_P, _P, _L, _P, _P], ctypes.c_char_p),
     "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P,
                            _I], _I),
 }
@@ -82,6 +83,25 @@ class LayerSpec(ctypes.Structure):
                                      "wk", "ik_w", "ik_b", "ln_post", "wg", "wu", "wd", "wr", "rbias", "gu", "dn")]
                 + [("gu_es", _L), ("dn_es", _L), ("NI", _I), ("wqi", _P), ("wwp", _P)]
                 + [(n, _P) for n in ("s_qa", "s_qb", "s_kva", "s_o", "s_g", "s_u", "s_d", "s_gu", "s_dn")])
+
+
+def check_layout(lib: ctypes.CDLL, spec: type[ctypes.Structure]) -> None:
+    """The ctypes mirror `spec` must lay out kernels.c's `layer_t` byte for byte (the C side reports each
+    field's name, offset and size, and the struct's size): NativeError naming the first difference."""
+    cap = 256
+    offs, sizes = (ctypes.c_long * cap)(), (ctypes.c_long * cap)()
+    count, total = ctypes.c_long(), ctypes.c_long()
+    names = lib.glm5_layer_layout(offs, sizes, cap, ctypes.byref(count), ctypes.byref(total)).decode().split()
+    c_fields = {n: (offs[i], sizes[i]) for i, n in enumerate(names[: count.value])}
+    py_fields = {name: (getattr(spec, name).offset, getattr(spec, name).size) for name, _ in spec._fields_}
+    for name in sorted(c_fields.keys() | py_fields.keys(), key=lambda n: c_fields.get(n, py_fields.get(n))):
+        c, py = c_fields.get(name), py_fields.get(name)
+        if c != py:
+            raise NativeError(f"{spec.__name__} does not match kernels.c's layer_t at field {name!r}: C (offset, "
+                              f"size) {c}, ctypes {py}")
+    if ctypes.sizeof(spec) != total.value:
+        raise NativeError(f"{spec.__name__} is {ctypes.sizeof(spec)} bytes, kernels.c's layer_t {total.value} "
+                          "(a field of layer_t is missing from its LAYER_FIELDS list or from the mirror)")
 
 
 class NativeError(RuntimeError):
@@ -160,6 +180,7 @@ class NativeKernels:
         for name, (args, result) in _SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, result
+        check_layout(self.lib, LayerSpec)
 
     # The modules that call the kernels hold this object, and models get copied (`copy.deepcopy`) and pickled
     # (`torch.save`): a copy shares the loaded library (it has no state of its own), a pickle keeps its path.

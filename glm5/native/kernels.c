@@ -23,6 +23,7 @@
  * Vectors: GCC vector extensions (8 floats); the compiler maps them to AVX2/AVX-512/NEON as -march allows.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -716,6 +717,35 @@ typedef struct {
      * whose gu / dn are then int8 [NE][2EI, D] / [NE][D, EI] */
     const float *s_qa, *s_qb, *s_kva, *s_o, *s_g, *s_u, *s_d, *s_gu, *s_dn;
 } layer_t;
+
+/* layer_t's layout for the ctypes mirror (glm5.native.LayerSpec), checked when the library is loaded: every
+ * field by name, its offset and size, and the struct's size. A field added to layer_t and not listed here
+ * shows as a size mismatch; a listed name not in layer_t does not compile. */
+#define LAYER_FIELDS X(D) X(QR) X(H) X(E) X(P) X(V) X(R) X(ID) X(IP) X(rope_interleave) X(index_interleave) \
+    X(FI) X(NE) X(A) X(EI) X(SI) X(n_group) X(topk_group) X(softmax_scores) X(norm_topk) X(eps_in) X(eps_q) \
+    X(eps_kv) X(eps_post) X(eps_ik) X(temperature) X(scaling) X(scale) X(ln_in) X(wqa) X(bqa) X(ln_q) X(wqb) \
+    X(wkva) X(bkva) X(ln_kv) X(kvb) X(wo) X(bo) X(wk) X(ik_w) X(ik_b) X(ln_post) X(wg) X(wu) X(wd) X(wr) \
+    X(rbias) X(gu) X(dn) X(gu_es) X(dn_es) X(NI) X(wqi) X(wwp) X(s_qa) X(s_qb) X(s_kva) X(s_o) X(s_g) X(s_u) \
+    X(s_d) X(s_gu) X(s_dn)
+#define X(f) #f " "
+static const char layer_names[] = LAYER_FIELDS;
+#undef X
+#define X(f) {(long)offsetof(layer_t, f), (long)sizeof(((layer_t *)0)->f)},
+static const long layer_offsets[][2] = {LAYER_FIELDS};
+#undef X
+
+/* -> the field names (space-separated); offsets / sizes [cap] filled for the first cap fields, *count the
+ * number of fields, *total sizeof(layer_t). */
+const char *glm5_layer_layout(long *offsets, long *sizes, long cap, long *count, long *total) {
+    long n = (long)(sizeof(layer_offsets) / sizeof(layer_offsets[0]));
+    for (long i = 0; i < n && i < cap; i++) {
+        offsets[i] = layer_offsets[i][0];
+        sizes[i] = layer_offsets[i][1];
+    }
+    *count = n;
+    *total = (long)sizeof(layer_t);
+    return layer_names;
+}
 
 /* y [R, N] = x [R, K] @ wt [K, N] (+ bias) on up to nt threads: for a few rows and a weight of at least
  * LIN_SPLIT floats, each thread streams its own contiguous band of weight rows (one core's stream reads
