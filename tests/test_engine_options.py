@@ -1,5 +1,6 @@
-"""Every model option is served: for each preset shape and routing/attention option, with plain fp32,
-INT8 and expert offload, the engine's greedy output (continuous batching, chunked prefill, prefix-cache
+"""Every model option is served: for each preset shape and routing/attention option, with plain fp32 (native
+kernels with the whole-layer kernel where a compiler builds them; the per-function kernels alone), INT8 and
+expert offload, the engine's greedy output (continuous batching, chunked prefill, prefix-cache
 hits) equals the model's own full-recompute greedy (`generate_greedy`) with the same modules."""
 
 import copy
@@ -33,7 +34,7 @@ OPTIONS = {
     "window-global": dict(sparse_attention="window", window_size=4, window_global_every=5,
                           window_routed_blocks=1, window_block_size=4),
 }
-MODES = ["fp32", "int8", "offload"]
+MODES = ["fp32", "fp32-ops", "int8", "offload"]
 
 
 def run(engine: LLMEngine, prompts) -> list[list[int]]:
@@ -61,6 +62,9 @@ def test_engine_greedy_equals_model_greedy(option, mode, tmp_path):
         save_pretrained(model, tmp_path)
         reference = model
         engine = LLMEngine(EngineConfig(**opts, model=str(tmp_path), max_resident_experts=2))
+    elif mode == "fp32-ops":  # the per-function native kernels alone (no whole-layer kernel), on a copy
+        reference = model
+        engine = LLMEngine(EngineConfig(**opts, native_layer_kernel=False), model=copy.deepcopy(model))
     else:
         reference = model
         engine = LLMEngine(EngineConfig(**opts), model=model)

@@ -42,6 +42,10 @@ class EngineConfig:
     # compiled CPU kernels (glm5/native, glm5/infer/kernels.py): "auto" = on CPU when a C compiler builds
     # them (else PyTorch, one warning); "native" = required (an error if they cannot be built); "torch" = off
     kernels: Literal["auto", "native", "torch"] = "auto"
+    # ... and on top of the per-function native kernels, the whole-layer decode kernel (NativeDecoderLayer:
+    # one C call per decoder layer for decode-sized MLA steps); False = the per-function kernels only
+    # (about half the batch-1 decode speed on `small`: docs/bench-engine.md, "Per-function vs whole-layer")
+    native_layer_kernel: bool = True
     huge_pages: bool = True  # CPU: weights on transparent huge pages where Linux offers them (glm5/infer/hugepages.py)
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
     # prompt lookup on top of the MTP drafts (glm5/infer/mtp.py): where the request's last n tokens
@@ -56,8 +60,8 @@ class EngineConfig:
     # ("inductor", any device) or replayed from a CUDA graph of it ("cuda_graphs", CUDA only); "none" =
     # eager. Prefill, mixed and LoRA steps run eagerly, and every step under MTP speculation (a warning);
     # a failed build falls back to eager
-    # with one warning. Needs plain routed experts (no INT8, offload or native expert kernel): with it,
-    # kernels="auto" means the PyTorch kernels
+    # with one warning. Needs plain routed experts (no INT8 or offload; the native expert module traces
+    # whole): with it, kernels="auto" means the PyTorch kernels
     compile_decode: Literal["none", "inductor", "cuda_graphs"] = "none"
     compile_backend: str = "inductor"  # torch.compile backend of compile_decode="inductor" ("aot_eager": debugging)
     enforce_eager: bool = False  # vLLM's switch: True runs every step eagerly whatever compile_decode says

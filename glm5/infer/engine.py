@@ -146,7 +146,7 @@ class LLMEngine:
         if c.weight_layout == "transposed" or (c.weight_layout == "auto" and torch.device(c.device).type == "cpu"):
             transpose_weights(model)
         if self.kernels is not None:
-            use_native_kernels(model, self.kernels)  # module swaps: the backend is chosen here, once
+            use_native_kernels(model, self.kernels, c.native_layer_kernel)  # module swaps: the backend is chosen here, once
         if c.huge_pages and torch.device(c.device).type == "cpu":
             rehome(model)  # after the layout change: the tensors served are the ones moved
         return model

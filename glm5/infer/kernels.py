@@ -244,10 +244,10 @@ SWAPS: dict[type, type] = {Experts: NativeExperts, RMSNorm: NativeRMSNorm, nn.Li
                            MLAttention: NativeMLAttention, GQAttention: NativeGQAttention}
 
 
-def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
+def use_native_kernels(model: nn.Module, kernels: NativeKernels, layer_kernel: bool = True) -> int:
     """Swap every module of a class in `SWAPS` (not parametrised; linear layers only when stored [in, out])
-    for its native subclass, and every decoder layer for `NativeDecoderLayer`; returns how many modules were
-    swapped. Children first, so a swapped parent holds its swapped children."""
+    for its native subclass, and (layer_kernel) every decoder layer for `NativeDecoderLayer`; returns how
+    many modules were swapped. Children first, so a swapped parent holds its swapped children."""
     n = 0
     for parent in reversed(list(model.modules())):
         for name, child in list(parent.named_children()):
@@ -258,12 +258,14 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels) -> int:
                 continue  # (kv_b_proj stays: the absorbed attention reads it as a matrix)
             setattr(parent, name, _swapped(cls, child))
             n += 1
-    layer_kernel = NativeLayerKernel(kernels)  # one for the model: its key table is built once per step
+    if not layer_kernel:
+        return n
+    shared = NativeLayerKernel(kernels)  # one for the model: its key table is built once per step
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) in (DecoderLayer, MTPLayer):
                 cls = NativeDecoderLayer if type(child) is DecoderLayer else NativeMTPLayer
-                setattr(parent, name, _swapped(cls, child, layer_kernel=layer_kernel))
+                setattr(parent, name, _swapped(cls, child, layer_kernel=shared))
                 n += 1
     return n
 
