@@ -4,6 +4,7 @@
     python bench/engine.py --quick         # smaller workload (smoke run)
     python bench/engine.py --arch glm4_moe --only offline single   # the same sizes as GLM-4.5-style GQA
     python bench/engine.py --compile --quick   # compiled (torch.compile) vs eager decode, batch 1 and 8
+    python bench/engine.py --only kernels      # torch vs per-function native kernels vs + whole-layer kernel
 
 Measures, in one run: offline throughput for N prompts of mixed lengths (glm5 LLMEngine vs transformers
 `generate` batched with left padding), single-stream decode tokens/s (glm5 vs transformers; also past
@@ -70,8 +71,9 @@ def workload(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
 
 
 def engine_for(model, **kw) -> LLMEngine:
+    """An engine on a copy of `model` (an engine swaps its kernels' modules into the model it is given)."""
     opts = dict(device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048, block_size=16)
-    return LLMEngine(EngineConfig(**{**opts, **kw}), model=model)
+    return LLMEngine(EngineConfig(**{**opts, **kw}), model=copy.deepcopy(model))
 
 
 def run_engine(engine: LLMEngine, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -244,6 +246,27 @@ def bench_compile(model, args) -> None:
                    ratio_cpu=ratio_stats(res["compiled"], res["eager"], 1), compile_s=st["decode_compile_s"],
                    buckets=st["decode_compiled_buckets"], compiled_steps=st["decode_graph_steps"],
                    disabled=st["decode_compile_disabled"], load_avg=os.getloadavg())
+
+
+def bench_kernels(model, args) -> None:
+    """The CPU backends at decode, same run, alternated: PyTorch's ops (`kernels="torch"`), the per-function
+    native kernels alone (typed ops swapped in: norms, few-row linear layers, SwiGLU, router, experts,
+    attention; `native_layer_kernel=False`) and those plus the whole-layer decode kernel (the default),
+    batch 1 and 8, 64-token prompts; tokens per CPU second (and wall), and whether the greedy tokens agree."""
+    modes = {"torch": dict(kernels="torch"), "native_ops": dict(kernels="native", native_layer_kernel=False),
+             "native_layer": dict(kernels="native")}
+    for batch in (1, 8):
+        prompts = workload(batch, 64, 64, seed=5)
+        engines = {k: engine_for(model, max_model_len=256, **kw) for k, kw in modes.items()}
+        tokens = {k: run_engine(e, prompts, 8)[1] for k, e in engines.items()}  # warm-up and agreement
+        res = alternate({k: (lambda e=e: batch_decode_tok_s(e, prompts, args.decode_tokens))
+                         for k, e in engines.items()}, max(1, args.rounds - 2))
+        record(f"kernels_decode_batch{batch}", batch=batch, prompt_len=64, new_tokens=args.decode_tokens,
+               **{f"{k}_tok_per_cpu_s": median(v, 1) for k, v in res.items()},
+               **{f"{k}_tok_s": median(v, 0) for k, v in res.items()},
+               ops_over_torch_cpu=ratio_stats(res["native_ops"], res["torch"], 1),
+               layer_over_ops_cpu=ratio_stats(res["native_layer"], res["native_ops"], 1),
+               greedy_agree=all(tokens[k] == tokens["torch"] for k in tokens), load_avg=os.getloadavg())
 
 
 def bench_long_decode(model, hf, args) -> None:
@@ -470,6 +493,8 @@ def main() -> None:
     hf = hf_model(args.ckpt) if only & {"single", "long", "offline"} else None
     if "compile" in only:
         bench_compile(model, args)
+    if "kernels" in only:
+        bench_kernels(model, args)
     if "kv" in only:
         bench_kv(model)
     if "tiny32" in only:
