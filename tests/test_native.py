@@ -620,3 +620,40 @@ def test_the_layer_struct_mirror_is_checked_against_the_c_layout(kernels):
         mirror = type("Mirror", (ctypes.Structure,), {"_fields_": bad})
         with pytest.raises(NativeError, match=name):
             check_layout(kernels.lib, mirror)
+
+
+def test_a_model_option_the_layer_kernel_does_not_know_switches_it_off(kernels):
+    """A config field the whole-layer kernel was not written for (a new model option, here a subclass of
+    ModelConfig with one more field) set away from its default: the kernel steps aside on every layer and the
+    engine still serves the model's own greedy tokens; at its default the kernel runs. Every field of today's
+    ModelConfig is classified (computed with by the kernel, or outside one decoder layer's math)."""
+    import dataclasses
+    from glm5.infer.kernels import LAYER_KERNEL_FIELDS, OUTSIDE_THE_LAYER, unknown_options
+    from glm5.infer.input_batch import SeqChunk
+    from glm5.model.config import ModelConfig
+    from glm5.model.model import GLM5ForCausalLM
+
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == LAYER_KERNEL_FIELDS | OUTSIDE_THE_LAYER
+
+    @dataclasses.dataclass
+    class NewOptionConfig(ModelConfig):
+        new_option: float = 0.0
+
+    base = tiny_model(seed=4).config
+    opts = dict(device="cpu", dtype="float32", block_size=4, num_blocks=40, max_model_len=150, kernels="native")
+    ids = list(range(3, 23))
+    for value, expect in ((0.0, True), (0.5, False)):
+        cfg = NewOptionConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig) if f.init},
+                              new_option=value)
+        assert unknown_options(cfg) == ([] if expect else ["new_option"])
+        torch.manual_seed(4)
+        model = GLM5ForCausalLM(cfg).init_weights(4).eval()
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0, -1]
+        eng = LLMEngine(EngineConfig(**opts), model=model)
+        lk, ran = _layer_kernel(eng), []
+        _paged(eng, [SeqChunk("s", 0, ids[:-1], list(range(8)))], lk)
+        out = _paged(eng, [SeqChunk("s", len(ids) - 1, ids[-1:], list(range(8)))],
+                     lambda *a: (lambda r: ran.append(r is not None) or r)(lk(*a)))
+        assert ran and all(r == expect for r in ran)
+        assert torch.allclose(out.logits[0, -1], ref, atol=1e-4)

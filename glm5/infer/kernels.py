@@ -22,6 +22,8 @@ GEMMs plus the gather/scale/scatter around them vs one pass per expert; docs/ben
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -284,6 +286,44 @@ LAYER_MAX_QUERIES = 8
 INT8_MAX_ROWS = 8
 
 
+# The whole-layer kernel restates a decoder layer in C, so a model option it was not written for must not
+# reach it. ModelConfig fields it computes with (read into its spec, or checked to be a case it runs: MLA,
+# DSA or no selection, top-k MoE without a capacity factor, sigmoid or softmax scores) ...
+LAYER_KERNEL_FIELDS = frozenset({
+    "model_type", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
+    "attention_bias", "rope_interleave", "rms_norm_eps", "hidden_act", "index_topk", "index_n_heads",
+    "index_head_dim", "indexer_rope_interleave", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+    "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "scoring_func", "topk_method",
+    "moe_router_dtype", "router_temperature", "moe_capacity_factor", "moe_type", "sparse_attention"})
+# ... and fields that do not change what one decoder layer computes at decode: other parts' sizes, the layer
+# pattern its modules already embody (which layers have an indexer or a MoE), the RoPE angles (computed
+# before the layer), training-only options, GQA-only and window-selector-only sizes (the kernel runs neither),
+# token ids and carried-through keys.
+OUTSIDE_THE_LAYER = frozenset({
+    "architectures", "vocab_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "use_qk_norm",
+    "attention_dropout", "rope_parameters", "max_position_embeddings", "index_topk_freq", "index_skip_topk_offset",
+    "index_topk_pattern", "indexer_types", "index_share_for_mtp_iteration", "first_k_dense_replace",
+    "moe_layer_freq", "mlp_layer_types", "layer_types", "initializer_range", "tie_word_embeddings", "use_cache",
+    "pad_token_id", "bos_token_id", "eos_token_id", "num_nextn_predict_layers", "expert_dropout", "window_size",
+    "window_global_every", "window_routed_blocks", "window_block_size", "block_position_embedding",
+    "max_block_positions", "extra"})
+
+
+def unknown_options(cfg) -> list[str]:
+    """The config's fields that neither the whole-layer kernel handles nor leave a decoder layer unchanged,
+    set to anything but their default: a new model option switches the kernel off (the layer runs its own
+    modules) until the kernel is taught it."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        if f.name in LAYER_KERNEL_FIELDS or f.name in OUTSIDE_THE_LAYER:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if getattr(cfg, f.name) != default:
+            out.append(f.name)
+    return out
+
+
 class NativeLayerKernel:
     """`NativeKernels.decode_layer` for `NativeDecoderLayer`: a whole decoder layer in
     one native call for decode steps (at most `max_rows` rows, at most LAYER_MAX_QUERIES per sequence: one
@@ -478,7 +518,7 @@ def layer_plan(layer: nn.Module, index_key: bool) -> LayerPlan:
 def _build_spec(plan: LayerPlan, layer: nn.Module, index_key: bool) -> LayerSpec | None:
     att, mlp = plan.mod(layer, "self_attn"), plan.mod(layer, "mlp")
     cfg = att.cfg
-    if layer.training:
+    if layer.training or unknown_options(cfg) or cfg.hidden_act != "silu":
         return None
     D, QR, H = cfg.hidden_size, cfg.q_lora_rank, att.n_heads
     E, P, V, R = att.nope, att.rope, att.v_dim, att.kv_rank
