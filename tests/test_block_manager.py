@@ -177,3 +177,46 @@ def test_chained_hash_depends_on_parent():
     assert hash_block(h0, [5, 6, 7, 8]) != hash_block(hash_block(None, [0, 2, 3, 4]), [5, 6, 7, 8])
     assert hash_block(None, [1, 2, 3, 4], "salt") != h0
     assert hash_block(None, [1, 2, 3, 4]) == h0  # deterministic
+
+
+def test_partial_block_registered_at_free_and_reused_by_copy():
+    """`cache_partial_blocks`: a freed request's last block of k < BS computed rows is registered under
+    (parent hash, its k tokens); a request continuing that prefix takes the full blocks, a fresh block for the
+    next one and a copy of the k rows into it (the source held until `release_copies`); a request that
+    differs inside those k tokens reuses the rows before the difference; eviction forgets the partial block."""
+    bm = BlockManager(10, BS, cache_partial_blocks=True)
+    r0 = make_req("r0", list(range(10)))  # [0..3] [4..7] [8 9]: 2 full blocks, 2 rows of a third
+    admit(bm, r0)
+    partial = r0.block_ids[2]
+    bm.free(r0)
+    assert len(bm.blocks[partial].partial_keys) == 2 and list(bm.free_queue)[0] != partial  # kept (LRU tail side)
+    r1 = make_req("r1", list(range(10)) + [50, 51])  # continues the prefix: 10 tokens reused, 2 computed
+    computed = bm.get_computed_blocks(r1)
+    assert computed.num_tokens == 10 and computed.partial == (partial, 2)
+    new = bm.allocate_slots(r1, 2, computed)
+    assert len(new) == 1 and new[0] != partial and bm.blocks[partial].ref_cnt == 1  # held for the copy
+    copies = bm.take_copies()
+    assert copies == [(partial, new[0], 2)] and bm.take_copies() == []
+    bm.release_copies(copies)
+    assert bm.blocks[partial].ref_cnt == 0 and partial in bm.free_queue
+    other = make_req("r2", list(range(9)) + [77, 78])  # differs at token 9: the partial block's first row
+    c2 = bm.get_computed_blocks(other)
+    assert c2.num_tokens == 9 and c2.partial == (partial, 1)
+    far = make_req("r4", list(range(8)) + [77, 78])  # differs at token 8: the full blocks only
+    c4 = bm.get_computed_blocks(far)
+    assert c4.num_tokens == 8 and c4.partial is None
+    one_left = make_req("r3", list(range(10)))  # the same 10 tokens: one is left to compute (a 1-row prefix)
+    c3 = bm.get_computed_blocks(one_left)
+    assert c3.num_tokens == 9 and c3.partial == (partial, 1)
+    while partial in bm.free_queue:  # allocate everything: the partial block is evicted and forgotten
+        bm._pop_free()
+    assert not bm.blocks[partial].partial_keys and not bm.partial_to_block_id
+
+
+def test_partial_blocks_off_by_default():
+    bm = BlockManager(10, BS)
+    r0 = make_req("r0", list(range(10)))
+    admit(bm, r0)
+    bm.free(r0)
+    assert not bm.partial_to_block_id
+    assert bm.get_computed_blocks(make_req("r1", list(range(10)) + [5])).num_tokens == 8

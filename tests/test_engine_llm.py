@@ -1,5 +1,7 @@
 """`LLM` (batch generate with strings and token ids, streaming, chat, beam search) and `glm5 generate`."""
 
+import copy
+
 import pytest
 import torch
 
@@ -49,6 +51,28 @@ def test_beam_search_width_one_is_greedy(llm):
                                                ignore_eos=True))[0]
     assert len(wide.outputs) == 3
     assert wide.outputs[0].cumulative_logprob >= beam.outputs[0].cumulative_logprob - 1e-4
+
+
+def test_beam_search_reuses_partial_blocks_and_finds_the_same_beams():
+    """Each beam step's requests extend the previous step's by one token: with partial prefix blocks (the
+    default without speculation) they reuse the rows of the previous step's last, partly filled block
+    (copied into their own) and compute one token each; the beams, scores and tokens equal those of an engine
+    without any prefix reuse. Plain requests that share a prefix ending inside a block agree too."""
+    model = tiny_model(seed=12)
+    opts = dict(device="cpu", max_model_len=128, max_num_seqs=8, block_size=8)
+    reuse = LLM(model_obj=copy.deepcopy(model), **opts)
+    fresh = LLM(model_obj=copy.deepcopy(model), enable_prefix_caching=False, **opts)
+    params = SamplingParams(temperature=0, use_beam_search=True, beam_width=3, max_tokens=12, ignore_eos=True)
+    p = list(range(20, 31))  # 11 tokens: a block and 3 rows
+    got, ref = reuse.beam_search([p], params)[0], fresh.beam_search([p], params)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in ref.outputs]
+    assert all(abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-4 for a, b in zip(got.outputs, ref.outputs))
+    bm = reuse.engine.block_manager
+    assert bm.partial_block_hits >= 12  # every step after the first, for its beams
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompts = [p + [40, 41], p + [42], p[:9]]  # after `p` was served: 11, 11 and 9 tokens reused
+    assert ([o.outputs[0].token_ids for o in reuse.generate(prompts, greedy)]
+            == [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy)])
 
 
 def test_chat_uses_template(llm):

@@ -116,7 +116,10 @@ class LLMEngine:
         self.versions = ExpertVersions(self.model, self.model_config, getattr(torch, self.config.dtype))
         num_blocks, max_model_len = self._size_kv()
         self.config = dataclasses.replace(self.config, max_model_len=max_model_len)
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        # partial prefix blocks: not under speculative decoding (its draft rows make the last block's rows
+        # depend on which drafts were accepted)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                          cache_partial_blocks=not self.config.speculative_num_tokens)
         self.scheduler = Scheduler(self.config, self.block_manager)
         cache_dtype = next(self.model.model.embed_tokens.parameters()).dtype
         native = self.kernels is not None and cache_dtype == torch.float32
@@ -376,6 +379,9 @@ class LLMEngine:
         out = self.scheduler.schedule(batching)
         if out.is_empty():
             return []
+        if out.block_copies:  # reused partial prefix blocks: their rows into the admitted requests' own blocks
+            self.runner.cache.copy_block_rows(out.block_copies)
+            self.block_manager.release_copies(out.block_copies)
         result, failed = self._run(out)
         for rid in result.nonfinite:
             failed[rid] = NonFiniteOutput("the model's logits for this request are not finite (NaN or inf)")

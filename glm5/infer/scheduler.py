@@ -73,6 +73,8 @@ class ScheduleOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished/aborted since the last step
+    # (source block, destination block, rows): partial prefix blocks to copy before the step (block_manager.py)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -193,7 +195,7 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
 
         finished, self._finished_ids = self._finished_ids, []
-        return ScheduleOutput(scheduled, preempted, finished)
+        return ScheduleOutput(scheduled, preempted, finished, self.block_manager.take_copies())
 
     def _admission_order(self, batching: Batching | None, free: int) -> list[Request]:
         """Waiting requests in the order to try them: FIFO; with `batching.by_length` and more waiting than

@@ -127,6 +127,16 @@ class LatentKVCache:
         """GQA: slots [N] long; rotated keys k and values v [N, G*Dh] -> rows [k | v]."""
         self.write(layer, slots, k, v)
 
+    def copy_block_rows(self, copies: list[tuple[int, int, int]]) -> None:
+        """For each (source block, destination block, rows): the source's first `rows` slots copied into the
+        destination's, on every cache layer (a partial prefix block reused copy-on-write)."""
+        bs = self.block_size
+        for t in self.latent + self.index_k + self.routes:
+            if t is None:
+                continue
+            for src, dst, rows in copies:
+                t[dst * bs:dst * bs + rows] = t[src * bs:src * bs + rows]
+
     def gather_latent(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows for slots of any shape [...] -> [..., R+P]."""
         return self.latent[layer][slots]
