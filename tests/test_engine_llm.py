@@ -69,6 +69,10 @@ def test_beam_search_reuses_partial_blocks_and_finds_the_same_beams():
     assert all(abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-4 for a, b in zip(got.outputs, ref.outputs))
     bm = reuse.engine.block_manager
     assert bm.partial_block_hits >= 12  # every step after the first, for its beams
+    q = list(range(60, 65))
+    both = reuse.beam_search([p, q], params)  # two prompts' searches in the same engine steps
+    assert [[o.token_ids for o in r.outputs] for r in both] == [
+        [o.token_ids for o in fresh.beam_search([x], params)[0].outputs] for x in (p, q)]
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [p + [40, 41], p + [42], p[:9]]  # after `p` was served: 11, 11 and 9 tokens reused
     assert ([o.outputs[0].token_ids for o in reuse.generate(prompts, greedy)]

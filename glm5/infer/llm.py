@@ -83,7 +83,7 @@ class LLM:
         per prompt (None = the base model); different adapters run in the same batches."""
         return self._generate(prompts, sampling_params, lora=lora)
 
-    def _generate(self, prompts, sampling_params, infill: InfillLayout | None = None,
+    def _generate(self, prompts, sampling_params, infill: InfillLayout | list[InfillLayout | None] | None = None,
                   lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         ids = self._submit(prompts, sampling_params, infill, lora)
         done: dict[str, RequestOutput] = {}
@@ -141,31 +141,41 @@ class LLM:
         ips = [build_infill(self.tokenizer, fmt, p, s, room=room, extra=list(extra), truncate=truncate,
                             path=path, language=language, mode=mode) for p, s in zip(prefixes, suffixes)]
         if params.use_beam_search:
-            outs = [self._beam_one(None, ip.token_ids, params, ip.layout) for ip in ips]
+            outs = self._beams([None] * len(ips), [ip.token_ids for ip in ips], params, [ip.layout for ip in ips])
         else:
             outs = self._generate([ip.token_ids for ip in ips], params, [ip.layout for ip in ips])
         return outs[0] if single else outs
 
     # ---- beam search ----------------------------------------------------------------------------
     def beam_search(self, prompts, params: SamplingParams) -> list[RequestOutput]:
-        """HF-semantics beam search (`params.beam_width`, `length_penalty`, `early_stopping`)."""
-        results = []
-        for prompt in self._as_list(prompts):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            results.append(self._beam_one(prompt, ids, params))
-        return results
+        """HF-semantics beam search (`params.beam_width`, `length_penalty`, `early_stopping`). Every prompt's
+        search advances in the same engine steps: each step runs one one-token request per live beam of
+        every unfinished prompt (partial prefix blocks make each compute its new token only)."""
+        prompts = self._as_list(prompts)
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._beams(prompts, ids, params, [None] * len(prompts))
 
-    def _beam_one(self, prompt, ids: list[int], params: SamplingParams,
-                  infill: InfillLayout | None = None) -> RequestOutput:
-        eos = () if params.ignore_eos else self.engine.eos_token_ids
-        if infill is not None:
-            eos = (*eos, infill.end_token_id)
-        search = BeamSearch(params.beam_width, params.max_tokens or 16, eos, params.length_penalty,
-                            params.early_stopping)
-        while not search.done:
-            outs = self._generate([ids + b.token_ids for b in search.beams], search.step_params(), infill)
-            search.step_outputs(outs, self.engine.model_config.vocab_size)
+    def _beams(self, prompts: list, ids: list[list[int]], params: SamplingParams,
+               layouts: list[InfillLayout | None]) -> list[RequestOutput]:
+        searches = []
+        for layout in layouts:
+            eos = () if params.ignore_eos else self.engine.eos_token_ids
+            if layout is not None:
+                eos = (*eos, layout.end_token_id)
+            searches.append(BeamSearch(params.beam_width, params.max_tokens or 16, eos, params.length_penalty,
+                                       params.early_stopping))
+        vocab = self.engine.model_config.vocab_size
+        while live := [i for i, s in enumerate(searches) if not s.done]:
+            rows = [(i, ids[i] + b.token_ids) for i in live for b in searches[i].beams]
+            outs = self._generate([r for _, r in rows], [searches[i].step_params() for i, _ in rows],
+                                  [layouts[i] for i, _ in rows])
+            start = 0
+            for i in live:
+                n = len(searches[i].beams)
+                searches[i].step_outputs(outs[start:start + n], vocab)
+                start += n
         decode = (lambda t: self.tokenizer.decode(t, skip_special_tokens=True)) if self.tokenizer else None
-        return RequestOutput(f"beam-{next(self._ids)}", prompt if isinstance(prompt, str) else None, ids,
-                             outputs=search.completions(None, decode), finished=True,
-                             model_version=self.engine.model_version)
+        return [RequestOutput(f"beam-{next(self._ids)}", p if isinstance(p, str) else None, i,
+                              outputs=s.completions(None, decode), finished=True,
+                              model_version=self.engine.model_version)
+                for p, i, s in zip(prompts, ids, searches)]
