@@ -90,8 +90,9 @@ class EngineModel(EvalModel):
         if params.beam_width > 1:  # the engine's beam search (LLM.beam_search); stop strings cut afterwards
             sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, use_beam_search=True,
                                 beam_width=params.beam_width)
+            per = max(1, self.batch_size // params.beam_width)  # prompts searched together: batch_size beams
             return [[cut_at_stop(c.text, params.stop) for c in o.outputs[:params.n]]
-                    for o in self.llm.beam_search(ids, sp)]
+                    for start in range(0, len(ids), per) for o in self.llm.beam_search(ids[start:start + per], sp)]
         sp = SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                             max_tokens=params.max_tokens, stop=list(params.stop), seed=params.seed,
                             temperature_schedule=params.temperature_schedule)
