@@ -255,6 +255,10 @@ def test_meshes_that_cannot_hold_the_adapters_are_refused():
     with pytest.raises(ValueError, match="parallel.pipeline_parallel=2"):
         check_mesh(from_dict(FinetuneConfig, {"parallel": {"pipeline_parallel": 2}}))
     check_mesh(from_dict(FinetuneConfig, {"method": "full", "parallel": {"pipeline_parallel": 2}}))
+    for quant in ("int8", "fp8"):  # a quantised base on any mesh, FSDP included: refused before the base loads
+        with pytest.raises(ValueError, match=f"model.base_quant = '{quant}' with 2 processes"):
+            check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}}), world=2)
+        check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}}), world=1)
     with pytest.raises(ValueError, match="n_routed_experts=6"):
         check_model(tiny_config(n_routed_experts=6), {"pp": 1, "dp": 1, "ep": 4, "tp": 1})
     model = GLM5AdapterModel(tiny_config(num_attention_heads=3, qk_nope_head_dim=15))
@@ -286,9 +290,15 @@ def test_merge_on_a_sharded_base(tmp_path):
     assert (merged - adapted).abs().max() <= 1e-5
 
 
-def test_cli_refuses_pipelined_adapters_in_one_line(base, tmp_path, capsys):
+@pytest.mark.parametrize("args,says", [(["--parallel.pipeline_parallel=2"], "parallel.pipeline_parallel=2"),
+                                       (["--model.base_quant=int8"], "model.base_quant = 'int8' with 2 processes")],
+                         ids=["pipelined", "quantised_base"])
+def test_cli_refuses_meshes_adapters_cannot_use_in_one_line(base, tmp_path, capsys, monkeypatch, args, says):
+    from glm5.finetune import trainer
     from glm5.finetune.launch import main
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it (no process group: refused before one is needed)
+    monkeypatch.setattr(trainer, "from_pretrained", lambda *a, **k: pytest.fail("the base was loaded"))
     rc = main(["--config", "configs/finetune/lora.toml", f"--model.name={base}/base", f"--log.run_dir={tmp_path}",
-               "--parallel.pipeline_parallel=2"])
+               *args])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "parallel.pipeline_parallel=2" in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and says in err, err
