@@ -302,6 +302,20 @@ def test_resume_at_another_world_size_and_mesh_restores_the_state_bit_for_bit(ba
 
 
 # --- without processes ---------------------------------------------------------------------------------
+def test_a_single_process_adapter_checkpoint_is_refused_on_the_mesh(tmp_path):
+    """A 1-process LoRA checkpoint (safetensors, no dcp/) cannot resume under torchrun: the refusal does
+    not send the user to --model.name=PATH/model, which holds an adapter, not a base."""
+    from glm5.train.checkpointer import DCPCheckpointer
+    model = _adapted_model()
+    adapters = DCPCheckpointer(model, model, torch.optim.AdamW(model.parameters()), trainable_only=True)
+    with pytest.raises(ValueError, match="resume it with one process") as e:
+        adapters.load(tmp_path)
+    assert "--model.name" not in str(e.value)
+    full = DCPCheckpointer(model, model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="--model.name=PATH/model"):
+        full.load(tmp_path)
+
+
 def test_assembled_adapter_is_the_single_process_layout(tmp_path):
     """`gather_trainable` + `assemble` (what rank 0 writes) rebuild the PEFT files of the trained model."""
     from glm5.finetune.parallel import assemble, gather_trainable
