@@ -220,9 +220,10 @@ def test_ep_tp_lora_match_one_process_and_resume_on_one(base, tmp_path, parallel
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,parallel", [("prefix", {"expert_parallel": 2}), ("prefix", {"tensor_parallel": 2}),
-                                             ("full", {"expert_parallel": 2})],
-                         ids=["prefix_ep", "prefix_tp", "full_ep"])
+@pytest.mark.parametrize("method,parallel", [("prefix", {}), ("prefix", {"expert_parallel": 2}),
+                                             ("prefix", {"tensor_parallel": 2}), ("full", {}),
+                                             ("full", {"expert_parallel": 2}), ("full", {"tensor_parallel": 2})],
+                         ids=["prefix_fsdp", "prefix_ep", "prefix_tp", "full_fsdp", "full_ep", "full_tp"])
 def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, parallel):
     ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, method=method))
     rows = ROWS if "tensor_parallel" in parallel else ROWS // WORLD
