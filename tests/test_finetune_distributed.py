@@ -184,17 +184,23 @@ def test_fsdp_lora_matches_one_process_resumes_and_loads_in_peft(base, tmp_path)
     assert again == dist[2:], (again, dist)
     alone = _fit(_cfg(base, tmp_path / "alone", ROWS, resume=str(step2)))
     assert _close(alone, dist[2:]), (alone, dist)
-    # the 2-process adapter in PEFT on transformers
+    _assert_peft_logits(base, tmp_path / "fsdp" / "final")  # the 2-process adapter in PEFT on transformers
+
+
+def _assert_peft_logits(base: Path, adapter: Path) -> None:
+    """`adapter` loaded by PEFT on transformers' model of the base gives glm5's logits for base + adapter,
+    and the adapter changes them (B trained away from 0)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     hf = transformers.AutoModelForCausalLM.from_pretrained(base / "base", attn_implementation="eager",
                                                            dtype=torch.float32).eval()
-    theirs_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "fsdp" / "final")).eval()
-    ours_model = from_pretrained(base / "base", adapter=tmp_path / "fsdp" / "final")
     x = torch.randint(2, 8192, (2, 40), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        ours, theirs = ours_model(x).logits, theirs_model(x).logits
+        plain = hf(x).logits
+        theirs = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()(x).logits
+        ours = from_pretrained(base / "base", adapter=adapter)(x).logits
     assert (ours - theirs).abs().max() <= 1e-4
+    assert (theirs - plain).abs().max() > 1e-3  # PEFT applied the adapter
 
 
 @pytest.mark.slow
@@ -210,12 +216,14 @@ def test_ep_tp_lora_match_one_process_and_resume_on_one(base, tmp_path, parallel
     step2 = tmp_path / "dist" / "checkpoints" / "step_00000002"
     alone = _fit(_cfg(base, tmp_path / "alone", ROWS, steps=3, resume=str(step2)))
     assert _close(alone, dist[2:]), (alone, dist)
+    _assert_peft_logits(base, tmp_path / "dist" / "final")  # the EP / TP adapter (gathered) in PEFT
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,parallel", [("prefix", {"expert_parallel": 2}), ("prefix", {"tensor_parallel": 2}),
-                                             ("full", {"expert_parallel": 2})],
-                         ids=["prefix_ep", "prefix_tp", "full_ep"])
+@pytest.mark.parametrize("method,parallel", [("prefix", {}), ("prefix", {"expert_parallel": 2}),
+                                             ("prefix", {"tensor_parallel": 2}), ("full", {}),
+                                             ("full", {"expert_parallel": 2}), ("full", {"tensor_parallel": 2})],
+                         ids=["prefix_fsdp", "prefix_ep", "prefix_tp", "full_fsdp", "full_ep", "full_tp"])
 def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, parallel):
     ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, method=method))
     rows = ROWS if "tensor_parallel" in parallel else ROWS // WORLD
@@ -229,7 +237,86 @@ def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, p
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
 
 
+def _trained_state(trainer) -> dict[str, torch.Tensor]:
+    """Collective: every trained tensor and its AdamW state (`name#exp_avg`, ...), gathered to full tensors."""
+    from torch.distributed.tensor import DTensor
+    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()  # noqa: E731
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        if p.requires_grad:
+            out[name] = full(p)
+            for key, value in sorted(trainer.optimizer.state[p].items()):
+                out[f"{name}#{key}"] = full(value)
+    return out
+
+
+def _state_worker(rank: int, port: int, cfg: FinetuneConfig, out: str) -> None:
+    """Train (or, with checkpoint.resume, only resume) and save the gathered state on rank 0."""
+    _env(rank, port)
+    try:
+        from glm5.finetune.trainer import FinetuneTrainer
+        trainer = FinetuneTrainer(cfg)
+        if not cfg.checkpoint.resume:
+            trainer.fit()
+        state = _trained_state(trainer)
+        if rank == 0:
+            torch.save({"step": trainer.step, "state": state}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _spawn_state(cfg: FinetuneConfig) -> dict:
+    out = Path(cfg.log.run_dir) / "state.pt"
+    out.parent.mkdir(parents=True, exist_ok=True)  # a resume alone writes nothing there
+    mp.spawn(_state_worker, args=(_port(), cfg, str(out)), nprocs=WORLD, join=True)
+    return torch.load(out)
+
+
+def _rows(parallel: dict) -> int:
+    return ROWS if "tensor_parallel" in parallel else ROWS // WORLD  # TP peers read the same rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,other", [({}, {"expert_parallel": 2}), ({"expert_parallel": 2}, {"tensor_parallel": 2}),
+                                        ({"tensor_parallel": 2}, {})], ids=["fsdp_to_ep", "ep_to_tp", "tp_to_fsdp"])
+def test_resume_at_another_world_size_and_mesh_restores_the_state_bit_for_bit(base, tmp_path, mesh, other):
+    """A 2-process run's step-2 DCP checkpoint resumed in one process and on another 2-process mesh: every
+    adapter tensor and its AdamW moments and step equal, bit for bit, what the writing run held."""
+    written = _spawn_state(_cfg(base, tmp_path / "dist", _rows(mesh), steps=2, **mesh))
+    step2 = tmp_path / "dist" / "checkpoints" / "step_00000002"
+    assert written["step"] == 2 and any("experts.parametrizations" in n and n.endswith("#exp_avg_sq")
+                                         for n in written["state"])
+    from glm5.finetune.trainer import FinetuneTrainer
+    alone = FinetuneTrainer(_cfg(base, tmp_path / "alone", ROWS, steps=2, resume=str(step2)))
+    resharded = _spawn_state(_cfg(base, tmp_path / "other", _rows(other), steps=2, resume=str(step2), **other))
+    for got in ({"step": alone.step, "state": _trained_state(alone)}, resharded):
+        assert got["step"] == 2 and got["state"].keys() == written["state"].keys()
+        for n, t in written["state"].items():
+            assert torch.equal(got["state"][n], t), n
+    # and the checkpoint's gathered adapter (model/) is the state it resumed
+    adapter = GLM5AdapterModel(alone.raw_model.config)
+    adapter.add_lora(alone.cfg.lora)
+    from glm5.model import peft_adapter
+    peft_adapter.copy_adapter_weights(adapter, step2 / "model")
+    mine = dict(adapter.named_parameters())
+    assert all(torch.equal(mine[n], t) for n, t in written["state"].items() if "#" not in n)
+
+
 # --- without processes ---------------------------------------------------------------------------------
+def test_a_single_process_adapter_checkpoint_is_refused_on_the_mesh(tmp_path):
+    """A 1-process LoRA checkpoint (safetensors, no dcp/) cannot resume under torchrun: the refusal does
+    not send the user to --model.name=PATH/model, which holds an adapter, not a base."""
+    from glm5.train.checkpointer import DCPCheckpointer
+    model = _adapted_model()
+    adapters = DCPCheckpointer(model, model, torch.optim.AdamW(model.parameters()), trainable_only=True)
+    with pytest.raises(ValueError, match="resume it with one process") as e:
+        adapters.load(tmp_path)
+    assert "--model.name" not in str(e.value)
+    full = DCPCheckpointer(model, model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="--model.name=PATH/model"):
+        full.load(tmp_path)
+
+
 def test_assembled_adapter_is_the_single_process_layout(tmp_path):
     """`gather_trainable` + `assemble` (what rank 0 writes) rebuild the PEFT files of the trained model."""
     from glm5.finetune.parallel import assemble, gather_trainable
@@ -255,6 +342,10 @@ def test_meshes_that_cannot_hold_the_adapters_are_refused():
     with pytest.raises(ValueError, match="parallel.pipeline_parallel=2"):
         check_mesh(from_dict(FinetuneConfig, {"parallel": {"pipeline_parallel": 2}}))
     check_mesh(from_dict(FinetuneConfig, {"method": "full", "parallel": {"pipeline_parallel": 2}}))
+    for quant in ("int8", "fp8"):  # a quantised base on any mesh, FSDP included: refused before the base loads
+        with pytest.raises(ValueError, match=f"model.base_quant = '{quant}' with 2 processes"):
+            check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}}), world=2)
+        check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}}), world=1)
     with pytest.raises(ValueError, match="n_routed_experts=6"):
         check_model(tiny_config(n_routed_experts=6), {"pp": 1, "dp": 1, "ep": 4, "tp": 1})
     model = GLM5AdapterModel(tiny_config(num_attention_heads=3, qk_nope_head_dim=15))
@@ -286,9 +377,15 @@ def test_merge_on_a_sharded_base(tmp_path):
     assert (merged - adapted).abs().max() <= 1e-5
 
 
-def test_cli_refuses_pipelined_adapters_in_one_line(base, tmp_path, capsys):
+@pytest.mark.parametrize("args,says", [(["--parallel.pipeline_parallel=2"], "parallel.pipeline_parallel=2"),
+                                       (["--model.base_quant=int8"], "model.base_quant = 'int8' with 2 processes")],
+                         ids=["pipelined", "quantised_base"])
+def test_cli_refuses_meshes_adapters_cannot_use_in_one_line(base, tmp_path, capsys, monkeypatch, args, says):
+    from glm5.finetune import trainer
     from glm5.finetune.launch import main
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it (no process group: refused before one is needed)
+    monkeypatch.setattr(trainer, "from_pretrained", lambda *a, **k: pytest.fail("the base was loaded"))
     rc = main(["--config", "configs/finetune/lora.toml", f"--model.name={base}/base", f"--log.run_dir={tmp_path}",
-               "--parallel.pipeline_parallel=2"])
+               *args])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "parallel.pipeline_parallel=2" in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and says in err, err

@@ -25,9 +25,16 @@ from .adapters import GLM5AdapterModel
 from .config import FinetuneConfig
 
 
-def check_mesh(cfg: FinetuneConfig) -> None:
-    """Refuse, before the model is sharded, a mesh the method cannot run on (ValueError naming the key)."""
+def check_mesh(cfg: FinetuneConfig, world: int = 1) -> None:
+    """Refuse, before the base is loaded, a mesh the method cannot run on (ValueError naming the key).
+    `world`: the number of processes (torchrun's WORLD_SIZE)."""
     par = cfg.parallel
+    if world > 1 and cfg.model.base_quant != "none":
+        # the int8 / fp8 storage is a parametrization on each frozen weight: expert parallel cannot slice
+        # it (with its scales), tensor parallel cannot distribute a parametrized weight, and FSDP2's
+        # sharded checkpoint of such a model does not complete (ranks disagree in DCP's save)
+        raise ValueError(f"model.base_quant = {cfg.model.base_quant!r} with {world} processes: a quantised base "
+                         "runs in one process only; use model.base_quant = 'none' on the mesh")
     if cfg.method != "full" and par.pipeline_parallel > 1:
         raise ValueError(f"method = {cfg.method!r} with parallel.pipeline_parallel={par.pipeline_parallel}: "
                          "adapters are not pipelined; use data, expert or tensor parallel "

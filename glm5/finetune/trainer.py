@@ -69,7 +69,7 @@ def build_model(cfg: FinetuneConfig, data_rank: int = 0, data_world: int = 1):
 
 class FinetuneTrainer(Trainer):
     def __init__(self, cfg: FinetuneConfig):
-        check_mesh(cfg)
+        check_mesh(cfg, dist.world_size())
         coords = (0, 1)  # (data rank, data degree): the data is built before the mesh
         if dist.world_size() > 1:
             from glm5.train.parallel import data_coords  # the distributed modules load only when needed

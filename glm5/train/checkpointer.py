@@ -88,6 +88,9 @@ class DCPCheckpointer(Checkpointer):
     trainable_only: bool = False
 
     def load_plain(self, path: Path) -> dict:
+        if self.trainable_only:  # its model/ is an adapter, not a base the run could start from
+            raise ValueError(f"{path} is a single-process checkpoint (no dcp/): resume it with one process "
+                             "(a fine-tuning run resumes on the mesh from checkpoints written under torchrun)")
         raise ValueError(f"{path} is a single-process checkpoint (no dcp/); resume it with one process, "
                          "or start the distributed run from its weights: --model.name=PATH/model")
 
