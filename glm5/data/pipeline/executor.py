@@ -2,9 +2,10 @@
 
 `local` (the default; needs no Ray): in-process for one worker, else a process pool on this machine.
 `ray`: one Ray task per job on a Ray cluster (`run.ray_address`; "" starts a local one sized to the
-workers or the machine, in the background: the driver runs jobs itself until it is up). Both retry a failing job `max_retries` times (Ray also retries a task whose worker died) and,
-when a job fails on every attempt, raise `JobFailed` naming the job and the exception; the jobs that
-finished keep their outputs (every stage writes atomically), so a rerun resumes. The stage functions
+workers or the machine, in the background: the driver runs jobs itself until it is up). Both retry a
+failing job `max_retries` times (Ray also retries a task whose worker died) and, when a job fails on
+every attempt, raise `JobFailed` naming the job and the exception; the jobs that finished keep their
+outputs (every stage writes atomically), so a rerun resumes. The stage functions
 are the same for both: an executor only decides where they run.
 """
 
