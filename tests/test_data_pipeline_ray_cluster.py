@@ -1,13 +1,16 @@
 """`glm5 data run` on a simulated 2-node Ray cluster (`ray.cluster_utils.Cluster`, 1 CPU per node), joined
-through `--run.ray_address`: jobs run on both nodes and the output is the local executor's (slow)."""
+through `--run.ray_address`: jobs run on both nodes and the output is the local executor's; and on the local
+cluster the executor starts itself (`--run.ray_address=""`) (slow)."""
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from glm5.data.pipeline import runner
-from glm5.data.pipeline.executor import ExecutorConfig, RayExecutor
-from tests.test_data_pipeline_ray import ROOT, _cfg, outputs, write_sample
+from glm5.data.pipeline.executor import ExecutorConfig, JobFailed, RayExecutor
+from tests.test_data_pipeline_ray import ROOT, _broken, _cfg, outputs, write_sample
 
 ray = pytest.importorskip("ray")  # the `cluster` extra; CI installs it (.ci/run)
 
@@ -43,3 +46,36 @@ def test_two_node_cluster_matches_local(tmp_path, monkeypatch):
             ex.close()
     finally:
         cluster.shutdown()
+
+
+def _pid(_):
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_local_cluster_started_by_the_executor(tmp_path):
+    """No session and no address: the executor starts a local cluster in the background and runs jobs in the
+    driver until it is up (a failing one named as on Ray), then on Ray; same bytes; `close` stops it."""
+    assert not ray.is_initialized()
+    sample = write_sample(tmp_path / "sample.jsonl.gz")
+    runner.run(_cfg(sample, tmp_path / "local"))
+    runner.run(_cfg(sample, tmp_path / "ray", "--run.executor=ray", "--run.num_workers=2"))
+    assert not ray.is_initialized()  # the executor stopped the cluster it started
+    assert outputs(tmp_path / "ray") == outputs(tmp_path / "local")
+
+    ex = RayExecutor(ExecutorConfig(executor="ray", num_workers=2, max_retries=1))
+    try:
+        assert not ex.up.is_set()  # the cluster takes seconds to start: these two maps run in the driver
+        with pytest.raises(JobFailed, match=r"^local pass shard 00003 failed after 2 attempts: ValueError: bad input 3$"):
+            ex.map(_broken, [(3,)], ["local pass shard 00003"], "local pass")
+        assert ex.map(_pid, [(0,)], ["j"], "driver") == [os.getpid()]
+        ex.up.wait()
+        workers = set(ex.map(_pid, [(i,) for i in range(4)], ["j"] * 4, "ray"))
+        assert os.getpid() not in workers and ray.is_initialized()
+    finally:
+        ex.close()
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") for p in workers)  # the cluster's workers are gone

@@ -17,10 +17,10 @@ import shutil
 import tempfile
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+if TYPE_CHECKING:  # torch and safetensors load on first use: the data pipeline (its Ray workers included)
+    import torch   # only needs the atomic writers, and importing torch costs seconds per fresh process
 
 CHECKSUMS_KEY = "glm5.crc32"  # safetensors metadata key: {"tensor name": "crc32 hex", ...}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -139,18 +139,24 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def tensor_crc32(t: torch.Tensor) -> str:
     """CRC32 of a tensor's bytes (any dtype), as 8 hex digits."""
+    import torch
+
     flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return f"{zlib.crc32(memoryview(flat.numpy())) & 0xFFFFFFFF:08x}"
 
 
 def save_file_checked(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
     """`safetensors.torch.save_file` plus a CRC32 per tensor in the header metadata."""
+    from safetensors.torch import save_file
+
     sums = {name: tensor_crc32(t) for name, t in tensors.items()}
     save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {}), CHECKSUMS_KEY: json.dumps(sums)})
 
 
 def check_finite(t: torch.Tensor, name: str, file: str | Path) -> None:
     """Raise `CheckpointError` naming the file and tensor if a floating tensor holds NaN or inf."""
+    import torch
+
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise CheckpointError(f"{file}: tensor {name!r} has {bad} NaN/inf value(s); the checkpoint is corrupt "
@@ -162,6 +168,8 @@ class LazyTensors:
     With `verify`, `get` checks each tensor against its stored CRC32 (when the file has them)."""
 
     def __init__(self, files: list[Path], verify: bool = False):
+        from safetensors import safe_open
+
         self._handles = []
         self.files = [Path(f) for f in files]
         self.verify = verify
@@ -249,4 +257,6 @@ def parse_size(size: int | str) -> int:
 
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in `t`: the one check every tensor loaded at run time (expert uploads, LoRA adapters) passes."""
+    import torch
+
     return bool(torch.isfinite(t).all())

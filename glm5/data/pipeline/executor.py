@@ -2,9 +2,10 @@
 
 `local` (the default; needs no Ray): in-process for one worker, else a process pool on this machine.
 `ray`: one Ray task per job on a Ray cluster (`run.ray_address`; "" starts a local one sized to the
-machine). Both retry a failing job `max_retries` times (Ray also retries a task whose worker died) and,
-when a job fails on every attempt, raise `JobFailed` naming the job and the exception; the jobs that
-finished keep their outputs (every stage writes atomically), so a rerun resumes. The stage functions
+workers or the machine, in the background: the driver runs jobs itself until it is up). Both retry a
+failing job `max_retries` times (Ray also retries a task whose worker died) and, when a job fails on
+every attempt, raise `JobFailed` naming the job and the exception; the jobs that finished keep their
+outputs (every stage writes atomically), so a rerun resumes. The stage functions
 are the same for both: an executor only decides where they run.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, Sequence
 
@@ -100,7 +102,13 @@ class RayExecutor:
 
     Joins a running Ray session (`ray.init` done by the caller), else connects to `ray_address`, else
     starts a local cluster; it shuts down only a session it started. Tasks read and write the run's
-    output directory, so on a multi-node cluster that directory must be on a shared filesystem."""
+    output directory, so on a multi-node cluster that directory must be on a shared filesystem.
+
+    A local cluster (`ray_address` "") starts in a background thread (its daemons take seconds to come
+    up); until it is up, `map` runs jobs here in the driver, one at a time, as the local executor does with
+    one worker (same functions, same retries), then sends the rest to Ray. It is started without the
+    autoscaler monitor (nothing to scale on one machine; stopping it also held `ray.shutdown` for a second)
+    and without the log monitor (worker logs are not sent to the driver)."""
 
     def __init__(self, cfg: ExecutorConfig, progress: bool = False):
         try:
@@ -108,6 +116,11 @@ class RayExecutor:
         except ImportError:
             raise ConfigError("run.executor=ray needs Ray: pip install -c constraints.txt -e '.[cluster]'") from None
         self.ray, self.cfg, self.progress, self.started = ray, cfg, progress, False
+        self.node: Any = None  # the local cluster this executor started (ray._private.node.Node)
+        self.local: threading.Thread | None = None  # starts that cluster, then holds it until `close`
+        self.up, self.stop = threading.Event(), threading.Event()
+        self.boot_error: BaseException | None = None
+        self.connected = False
         if not ray.is_initialized():
             if cfg.ray_address and cfg.ray_address != "auto":
                 check_reachable(cfg.ray_address)
@@ -117,19 +130,60 @@ class RayExecutor:
                 # Ray start fresh workers instead of the ones it prestarted.
                 env = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}} if os.environ.get("PYTHONPATH") else None
                 ray.init(address=cfg.ray_address, runtime_env=env, log_to_driver=False)
+                self.connected = True
             else:
-                ray.init(num_cpus=cfg.num_workers or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+                self.local = threading.Thread(target=self._local_cluster, name="ray-local-cluster", daemon=True)
+                self.local.start()
             self.started = True
         self.task = ray.remote(num_cpus=1, max_retries=cfg.max_retries, retry_exceptions=True)(_run_job)
 
+    def _local_cluster(self) -> None:
+        """Start a one-node cluster sized to `num_workers` (the machine's cores if 0): what `ray.init()`
+        starts less the autoscaler and log monitors; then hold it until `close` and stop it. One thread does
+        both: Ray ties its daemons' lives to the thread that started them (Linux PR_SET_PDEATHSIG), so
+        they also die with this process if `close` never runs."""
+        try:
+            from ray._private.node import Node
+            from ray._private.parameter import RayParams
+
+            params = RayParams(num_cpus=self.cfg.num_workers or os.cpu_count(), include_dashboard=False,
+                               no_monitor=True, include_log_monitor=False)
+            self.node = Node(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
+        except BaseException as e:  # noqa: BLE001 (raised in the driver by `_connect`)
+            self.boot_error = e
+            return
+        finally:
+            self.up.set()
+        self.stop.wait()
+        self.node.kill_all_processes(check_alive=False, allow_graceful=True)
+
+    def _connect(self) -> None:
+        """Connect the driver to the local cluster once it is up (a no-op for any other session)."""
+        if self.local is None or self.connected:
+            return
+        self.up.wait()
+        if self.boot_error is not None:
+            raise RuntimeError(f"could not start a local Ray cluster: {self.boot_error}") from self.boot_error
+        if not self.node.remaining_processes_alive():
+            raise RuntimeError(f"the local Ray cluster died while starting (logs: {self.node.get_logs_dir_path()})")
+        self.ray.init(address=self.node.address, log_to_driver=False)
+        self.connected = True
+
     def map(self, fn, jobs, names, desc):
         ray = self.ray
-        limit = self.cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        fn_ref = ray.put(fn)
         out: list = [None] * len(jobs)
         pending: dict = {}
         todo = list(enumerate(jobs))[::-1]
         with tqdm(desc=desc, total=len(jobs), unit="job", disable=not self.progress) as bar:
+            while todo and self.local is not None and not self.up.is_set():  # the cluster is starting
+                i, job = todo.pop()
+                out[i] = _attempt(fn, job, names[i], self.cfg.max_retries)
+                bar.update()
+            if not todo:
+                return out
+            self._connect()
+            limit = self.cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+            fn_ref = ray.put(fn)
             while todo or pending:
                 while todo and len(pending) < limit:
                     i, job = todo.pop()
@@ -149,9 +203,16 @@ class RayExecutor:
         return out
 
     def close(self) -> None:
-        if self.started:
+        if not self.started:
+            return
+        self.started = False
+        if self.connected:
             self.ray.shutdown()
-            self.started = False
+            self.connected = False
+        if self.local is not None:
+            self.stop.set()
+            self.local.join()
+            self.local = None
 
 
 def make_executor(cfg: ExecutorConfig, progress: bool = False) -> Executor:
