@@ -79,3 +79,28 @@ def test_local_cluster_started_by_the_executor(tmp_path):
     while any(os.path.exists(f"/proc/{p}") for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{p}") for p in workers)  # the cluster's workers are gone
+
+
+@pytest.mark.slow
+def test_local_cluster_falls_back_to_ray_init_without_the_node_api(tmp_path, monkeypatch):
+    """Where Ray's private node API is not there (another Ray release), the local cluster starts through
+    `ray.init` instead: the same jobs run on Ray workers and `close` stops it."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_node_api(name, *a, **kw):
+        if name == "ray._private.node":
+            raise ImportError("no ray._private.node here")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_node_api)
+    assert not ray.is_initialized()
+    ex = RayExecutor(ExecutorConfig(executor="ray", num_workers=2, max_retries=1))
+    try:
+        ex.up.wait()
+        assert isinstance(ex.boot_error, ImportError)
+        workers = set(ex.map(_pid, [(i,) for i in range(4)], ["j"] * 4, "ray"))
+        assert os.getpid() not in workers and ray.is_initialized()
+    finally:
+        ex.close()
+    assert not ray.is_initialized()

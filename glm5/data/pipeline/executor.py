@@ -11,6 +11,7 @@ are the same for both: an executor only decides where they run.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import socket
@@ -21,6 +22,8 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 from tqdm import tqdm
 
 from glm5.core.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -162,6 +165,15 @@ class RayExecutor:
         if self.local is None or self.connected:
             return
         self.up.wait()
+        if isinstance(self.boot_error, (ImportError, AttributeError, TypeError)):
+            # the node API this start uses is Ray's private one (as of the pinned 2.60.0): another Ray
+            # release starts its local cluster the public way, autoscaler and log monitor included
+            log.warning("starting the local Ray cluster through ray.init (%s: %s)", type(self.boot_error).__name__,
+                        self.boot_error)
+            self.ray.init(num_cpus=self.cfg.num_workers or os.cpu_count(), include_dashboard=False,
+                          log_to_driver=False)
+            self.connected = True
+            return
         if self.boot_error is not None:
             raise RuntimeError(f"could not start a local Ray cluster: {self.boot_error}") from self.boot_error
         if not self.node.remaining_processes_alive():
