@@ -177,8 +177,8 @@ def evaluate(args) -> dict:
             if args.rounds >= 2 and scorer is not None:
                 trace = [] if trace_file else None
                 agent.lm_rounds(res, bgr, args.rounds, rule, scorer, trace=trace)
-                for t in trace or []:
-                    trace_file.write(json.dumps({"page": page_name(page)} | label_trace(t, res, page),
+                for line_trace in trace or []:
+                    trace_file.write(json.dumps({"page": page_name(page)} | label_trace(line_trace, res, page),
                                                 ensure_ascii=False) + "\n")
         row = score_page(res, page, args.rounds) | {
             "seconds": time.perf_counter() - t, "seconds_rounds01": seconds, "rounds": res.rounds,

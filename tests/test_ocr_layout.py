@@ -230,10 +230,10 @@ def test_a_heading_whose_box_is_barely_taller_is_found_by_its_wider_characters()
 def test_list_markers():
     from glm5.apps.ocr.layout import LIST_MARKER
     for text in ("• item", "•item", "- item", "* item", "1. item", "12) item", "3.If the space was lost", "(2) item",
-                 "a) item", ". item"):
+                 "a) item", ". item", "-There was", "·In order"):
         assert LIST_MARKER.match(text), text
     for text in ("9.6.16. Expansion of storage", "-1 is returned", "*args and **kwargs", ".. index:: single",
-                 "e.g. this", "1.5 seconds", "--verbose", "3.14"):
+                 "e.g. this", "1.5 seconds", "--verbose", "3.14", "-x option", ".Net"):
         assert not LIST_MARKER.match(text), text
 
 

@@ -28,12 +28,13 @@ import numpy as np
 from glm5.apps.ocr.perception import Line
 
 _CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
-LIST_MARKER = re.compile(r"^\s*(?:[•●▪◦‣]\s*|[·\-–*+.]\s+|\d{1,3}[.)、](?:\s+|(?=[^\W\d_]))|[a-zA-Z][.)]\s+|"
+LIST_MARKER = re.compile(r"^\s*(?:[•●▪◦‣]\s*|[·\-–*+.]\s+|[·\-–*+](?=[A-Z])|\d{1,3}[.)、](?:\s+|(?=[^\W\d_]))|[a-zA-Z][.)]\s+|"
                          r"\(\d{1,3}\)\s*|\([a-z]\)\s+)(?=\S)")
 """A list item's marker at the start of a line: a bullet glyph; `-`, `*`, `+`, `–`, `·` or `.` (how the
-recogniser often reads a small bullet) followed by a space; a number or letter with `.` / `)` followed
-by a space (a number also by a letter: the recogniser drops spaces), or in parentheses. `9.6.16. Title`,
-`-1`, `*args`, `.. index::` and `e.g.` are not markers."""
+recogniser often reads a small bullet) followed by a space, or (all but `.`) by a capital letter (the
+recogniser drops spaces); a number or letter with `.` / `)` followed by a space (a number also by a
+letter), or in parentheses. `9.6.16. Title`, `-1`, `--verbose`, `*args`, `.. index::` and `e.g.` are not
+markers."""
 LIST_LOOSE = 1.06
 """A row whose centre lies more than this many times the page's leading (`_Scale.leading`: median
 distance between the centres of a line and the next one below it) below the previous row's is set off
