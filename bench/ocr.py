@@ -180,6 +180,7 @@ def evaluate(args) -> dict:
                 for line_trace in trace or []:
                     trace_file.write(json.dumps({"page": page_name(page)} | label_trace(line_trace, res, page),
                                                 ensure_ascii=False) + "\n")
+                trace_file.flush()
         row = score_page(res, page, args.rounds) | {
             "seconds": time.perf_counter() - t, "seconds_rounds01": seconds, "rounds": res.rounds,
             "changes": len(res.changes), "reading_order": M.reading_order_accuracy(res, page),

@@ -300,15 +300,18 @@ class LmRule:
     same_length: bool = True
     """Substitutions only: no candidate drops or adds a character. A language model gains many nats by
     dropping a rare character (a rare CJK character, `*`, `#`), which a weak one cannot outweigh."""
-    protect_conf: float = 1.0
+    protect_conf: float = 0.9
     """A character the recogniser read at this confidence or more may change only with support: another
     round-1 reading of the line (another crop) reads the new character there. 1.0 = no protection."""
-    min_rival: float = 0.0
+    min_rival: float = 0.1
     """An unsupported change needs the new character's recogniser probability to be at least this
     fraction of the read character's (the recogniser itself must find the rival plausible)."""
-    min_lm_gain: float = 0.0
-    """Nats per changed character by which the language model alone must prefer the candidate to the
-    recogniser's reading (the weighted score can be won by the recogniser's side alone)."""
+    min_lm_gain: float = 8.0
+    """Nats by which the language model alone must prefer each unsupported changed character (one no
+    other round-1 reading puts there): the winner against the same candidate with that one character
+    put back (`lm_correct`); a supported one needs only a gain above 0. An edit that rides along with a
+    strong one (the model gains 25 nats from `owmer` -> `owner` and would also take `chmod( 1)` ->
+    `chmod( l)` for 7) must pay for itself; edits that do not are put back."""
 
     def __post_init__(self):
         if self.lm_weight < 0:
@@ -340,8 +343,9 @@ def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], sc
     """One language-model round over the doubtful, unsettled lines (in reading order); `deadline` is
     checked before each line is scored. Candidates the rule does not admit (`LmRule.admits`) are not
     scored; the best of the rest replaces the reading if it leads it by `min_margin` in the combined
-    score and by `min_lm_gain` per edit in the language model's own. `trace`, when a list, gets one
-    dict per scored line (every candidate's text, edits and scores) for offline study of the rule."""
+    score and each of its edits gains `min_lm_gain` in the language model's own (`_edits_that_pay`).
+    `trace`, when a list, gets one dict per scored line (every candidate's text, edits and scores, and
+    the leave-one-out gains of the winner's edits) for offline study of the rule."""
     changes, examined = [], 0
     for pos, i in enumerate(order):
         if i in settled:
@@ -369,29 +373,72 @@ def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], sc
         totals = [rule.lm_weight * a + c.rec_logprob for a, c in zip(lm, cands)]
         ranked = sorted(range(len(cands)), key=lambda k: -totals[k])
         best, runner_up = ranked[0], ranked[1]
+        if totals[best] - totals[runner_up] > math.log(9.0):  # posterior >= 0.9 among the top two
+            settled.add(i)
+        chosen, gains = None, []
+        if best != 0:
+            score = lambda c: scorer.logprob([_join(prefix + [c.text(slots).strip()] + suffix, sep)])[0]  # noqa: E731
+            known = {c.choice: a for c, a in zip(cands, lm)}
+            need = {e.slot: 0.0 if e.supported else rule.min_lm_gain for e in edits[best]}
+            chosen, gains = _edits_that_pay(cands[best], slots, known, score, need)
         if trace is not None:
             offsets = np.cumsum([0] + [len(s.best) for s in slots]).tolist()  # slot -> character offset
             trace.append({"line": i, "round": round_no, "texts": [c.text(slots) for c in cands], "lm": lm,
-                          "rec": [c.rec_logprob for c in cands], "best": best,
+                          "rec": [c.rec_logprob for c in cands], "best": best, "gains": gains,
                           "edits": [[asdict(e) | {"pos": offsets[e.slot]} for e in es] for es in edits]})
-        if totals[best] - totals[runner_up] > math.log(9.0):  # posterior >= 0.9 among the top two
-            settled.add(i)
-        # cands[0] is the recogniser's reading: keep it unless the winner leads it by the margins
-        if best == 0 or totals[best] - totals[0] < rule.min_margin or \
-                lm[best] - lm[0] < rule.min_lm_gain * len(edits[best]):
+        # cands[0] is the recogniser's reading: keep it unless the winner (less the edits that do not pay
+        # for themselves) leads it by the margin
+        if chosen is None or chosen.edits == 0:
             continue
+        total = rule.lm_weight * known[chosen.choice] + chosen.rec_logprob
+        if total - totals[0] < rule.min_margin or total <= totals[0]:
+            continue
+        best_lm = known[chosen.choice]
         before = lines[i].reading.text
         lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
-        lines[i].reading = chosen_reading(slots, cands[best].choice)
+        lines[i].reading = chosen_reading(slots, chosen.choice)
         lines[i].source = "language-model"
         changes.append(Change(round_no, i, before, lines[i].reading.text,
                               f"language model preferred it among {len(cands)} candidates: score "
-                              f"{totals[best]:.2f} vs {totals[0]:.2f} for the recogniser's reading "
-                              f"(lm {lm[best]:.2f} vs {lm[0]:.2f}, recogniser {cands[best].rec_logprob:.2f} "
+                              f"{total:.2f} vs {totals[0]:.2f} for the recogniser's reading "
+                              f"(lm {best_lm:.2f} vs {lm[0]:.2f}, recogniser {chosen.rec_logprob:.2f} "
                               f"vs {cands[0].rec_logprob:.2f})"))
     summary = {"round": round_no, "kind": "language-model", "examined": examined, "changed": len(changes),
                "doubtful_after": sum(doubtful(ln, rule.threshold) for ln in lines)}
     return changes, summary
+
+
+def _edits_that_pay(cand: Candidate, slots: list[ctc.Slot], known: dict[tuple, float], score,
+                    need: dict[int, float]) -> tuple[Candidate, list[float]]:
+    """`cand` less the edits the language model does not want by `need[slot]` nats on their own: each
+    edit's gain is the model's log-probability of the candidate minus that of the candidate with that
+    one slot put back (scored with `score` when it is not in `known`, which gets it); the edit furthest
+    under its need is put back and the rest checked again. Returns the candidate (possibly with no
+    edit left) and the gains of the first check (for the trace)."""
+    first: list[float] | None = None
+    while cand.edits:
+        gains = []
+        for j, k in enumerate(cand.choice):
+            if k == 0:
+                continue
+            back = cand.choice[:j] + (0,) + cand.choice[j + 1:]
+            if back not in known:
+                known[back] = score(_with_choice(slots, back))
+            gains.append((known[cand.choice] - known[back], j))
+        if first is None:
+            first = [g for g, _ in gains]
+        short, j = min((g - need.get(j, 0.0), j) for g, j in gains)
+        if short >= 0:
+            break
+        cand = _with_choice(slots, cand.choice[:j] + (0,) + cand.choice[j + 1:])
+        if cand.choice not in known and cand.edits:
+            known[cand.choice] = score(cand)
+    return cand, first or []
+
+
+def _with_choice(slots: list[ctc.Slot], choice: tuple[int, ...]) -> Candidate:
+    rec = sum(math.log(max(s.options[k][1], 1e-6)) for s, k in zip(slots, choice))
+    return Candidate(choice, rec, sum(k != 0 for k in choice))
 
 
 def _context(lines: list[Line], order: list[int], block_of: dict[int, int], pos: int,
