@@ -154,7 +154,9 @@ def make_agent(args):
     opts = {k: v for k, v in (("lm_weight", args.lm_weight), ("lm_threshold", args.lm_threshold),
                               ("lm_margin", args.lm_margin), ("max_candidates", args.max_candidates),
                               ("max_edits", args.max_edits), ("lm_alternatives", None if args.lm_alternatives is None else bool(args.lm_alternatives)),
-                              ("lm_same_length", None if args.lm_same_length is None else bool(args.lm_same_length)))
+                              ("lm_same_length", None if args.lm_same_length is None else bool(args.lm_same_length)),
+                              ("lm_protect_conf", args.lm_protect_conf), ("lm_min_rival", args.lm_min_rival),
+                              ("lm_min_gain", args.lm_min_gain))
             if v is not None}
     return OcrAgent(OcrConfig(rounds=args.rounds, model=args.model, **opts))
 
@@ -162,7 +164,9 @@ def make_agent(args):
 def evaluate(args) -> dict:
     agent = make_agent(args)
     rule = agent.config.lm_rule
-    scorer = CachedScorer(agent.scorer) if agent.scorer is not None else None
+    memo = os.path.join(args.cache, f"lm-{_model_tag(args.model)}.json") if args.cache else None
+    scorer = CachedScorer(agent.scorer, memo) if agent.scorer is not None else None
+    trace_file = open(args.trace, "w") if args.trace else None
     rows = []
     for page in pages(args.layouts, args.conditions, args.seeds):
         t = time.perf_counter()
@@ -171,7 +175,12 @@ def evaluate(args) -> dict:
         else:
             res, bgr, seconds = read_through_round1(agent, page, args.cache)
             if args.rounds >= 2 and scorer is not None:
-                agent.lm_rounds(res, bgr, args.rounds, rule, scorer)
+                trace = [] if trace_file else None
+                agent.lm_rounds(res, bgr, args.rounds, rule, scorer, trace=trace)
+                for line_trace in trace or []:
+                    trace_file.write(json.dumps({"page": page_name(page)} | label_trace(line_trace, res, page),
+                                                ensure_ascii=False) + "\n")
+                trace_file.flush()
         row = score_page(res, page, args.rounds) | {
             "seconds": time.perf_counter() - t, "seconds_rounds01": seconds, "rounds": res.rounds,
             "changes": len(res.changes), "reading_order": M.reading_order_accuracy(res, page),
@@ -181,8 +190,31 @@ def evaluate(args) -> dict:
             "lm_changes": [[c.before.strip(), c.after.strip()] for c in res.changes if c.round >= 2]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "rounds"}, ensure_ascii=False), flush=True)
+    if trace_file:
+        trace_file.close()
     return {"rounds": args.rounds, "model": args.model, "rule": asdict(rule), "cache": args.cache,
             "pages": rows, "summary": summarise(rows, args.rounds)}
+
+
+def label_trace(t: dict, res, page) -> dict:
+    """A scored line's trace (`correct.lm_correct`) with every edit labelled against the ground-truth
+    line under it: `right_before` / `right_after` (the character at that position is read right by the
+    recogniser's reading / by the candidate, in an optimal alignment of the whole line)."""
+    from rapidfuzz.distance import Levenshtein  # noqa: PLC0415
+    owner = M._owner(page, res.lines[t["line"]].box)
+    ref = page.lines[owner].text if owner is not None else None
+
+    def right(hyp: str) -> set[int]:
+        if ref is None:
+            return set()
+        return {i for tag, i0, i1, _, _ in Levenshtein.opcodes(hyp, ref) if tag == "equal" for i in range(i0, i1)}
+
+    before = right(t["texts"][0])
+    for text, es in zip(t["texts"], t["edits"]):
+        after = right(text)
+        for e in es:
+            e["right_before"], e["right_after"] = e["pos"] in before, e["pos"] in after
+    return t | {"ref": ref}
 
 
 TUNE_GRID = {"alternatives": [False, True], "lm_weight": [0.25, 0.5, 1.0, 1.5], "threshold": [0.5, 0.7, 0.9],
@@ -370,6 +402,11 @@ def main(argv=None) -> int:
                     help="1: round 2 also draws candidates from round 1's other readings")
     ap.add_argument("--lm-same-length", type=int, choices=[0, 1], default=None,
                     help="1: round 2 only substitutes characters")
+    ap.add_argument("--lm-protect-conf", type=float, default=None)
+    ap.add_argument("--lm-min-rival", type=float, default=None)
+    ap.add_argument("--lm-min-gain", type=float, default=None)
+    ap.add_argument("--trace", default=None, help="eval: write every scored line's candidates, edits and "
+                    "scores, each edit labelled against the ground truth, here (JSON lines)")
     ap.add_argument("--cache", default=None, help="eval/tune: directory of pages read through round 1")
     ap.add_argument("--grid", default=None, help="tune: JSON {LmRule field: [values]} (default TUNE_GRID)")
     ap.add_argument("--pages", type=int, default=5, help="speed: layouts used (x clean + combo)")

@@ -1,6 +1,7 @@
 """The language-model round: the scorer's batched, padded log-probabilities equal one-at-a-time ones
 from the model's forward, and `lm_correct` picks, records and settles corrections."""
 
+import dataclasses
 import math
 
 import pytest
@@ -15,7 +16,9 @@ from glm5.model.config import ModelConfig
 from glm5.model.model import GLM5ForCausalLM
 
 TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
-RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2)
+# the decision alone (no protection, no per-edit gain): what the tests below the first few build on
+RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2, protect_conf=1.0, min_rival=0.0,
+              min_lm_gain=0.0)
 
 
 def test_scorer_matches_unpadded_forward(one_thread):
@@ -101,7 +104,7 @@ def test_rule_margin_and_threshold_keep_the_recogniser_reading():
     lead = 5.0 + math.log(0.35 / 0.6)
     for margin, changed in ((lead - 0.1, True), (lead + 0.1, False)):
         lines = page()
-        rule = LmRule(lm_weight=1.0, threshold=0.9, min_margin=margin, max_candidates=8, max_edits=2)
+        rule = dataclasses.replace(RULE, min_margin=margin)
         changes, _ = lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), rule, set(), 2)
         assert (lines[1].reading.text == "cat sat") == changed and len(changes) == int(changed)
     # a character at 0.6 is not doubtful under a 0.5 threshold: the line is not even scored
@@ -174,3 +177,95 @@ def test_same_length_rule_offers_substitutions_only():
     free = {c.text(slots) for c in candidates(slots, 0.9)}
     assert {"cot", "cat", "cost", "cast"} <= free
     assert {c.text(slots) for c in candidates(slots, 0.9, same_length=True)} == {"cot", "cat"}
+
+
+def confident_page(alternatives=()):
+    # "cot sat": the "o" read at 0.85 (doubtful under 0.9), its rival "a" at 0.1
+    quad = torch.zeros(4, 2).numpy()
+    return [Line(quad, reading("cot sat", {1: [("o", 0.85), ("a", 0.1), ("", 0.05)]}), "raw",
+                 alternatives=list(alternatives))]
+
+
+def test_a_confident_character_changes_only_with_support_from_another_reading():
+    from glm5.apps.ocr.agent import OcrConfig
+    rule = LmRule(lm_weight=1.0, protect_conf=0.8)
+    strong = KeywordScorer("cat", bonus=50.0)  # the language model wants "cat" whatever it costs
+    # the same case without protection: the language model wins (the behaviour the rule prevents)
+    lines = confident_page()
+    lm_correct(lines, [0], {0: 0}, strong, LmRule(lm_weight=1.0, protect_conf=1.0), set(), 2)
+    assert lines[0].reading.text == "cat sat"
+    # protected: no candidate may change the "o", so none is even scored
+    lines, scorer = confident_page(), KeywordScorer("cat", bonus=50.0)
+    changes, summary = lm_correct(lines, [0], {0: 0}, scorer, rule, set(), 2)
+    assert changes == [] and lines[0].reading.text == "cot sat" and scorer.calls == [] and summary["examined"] == 0
+    # round 1's other crops do not read "a" there: still no support
+    lines = confident_page([("padded", plain("cot sat")), ("binarised", plain("cut sat"))])
+    assert lm_correct(lines, [0], {0: 0}, strong, rule, set(), 2)[0] == []
+    # another crop reads "a": the change is supported and the language model may make it
+    lines = confident_page([("padded", plain("cat sat"))])
+    changes, _ = lm_correct(lines, [0], {0: 0}, strong, rule, set(), 2)
+    assert lines[0].reading.text == "cat sat" and len(changes) == 1
+    # the agent's defaults: a character read at 0.95 stays unless supported, even when a caller widens
+    # the characters a language-model round may look at (lm_threshold 1.0)
+    default = dataclasses.replace(OcrConfig().lm_rule, threshold=1.0)
+    quad = torch.zeros(4, 2).numpy()
+    sure = lambda alts=(): [Line(quad, reading("cot sat", {1: [("o", 0.95), ("a", 0.04), ("", 0.01)]}),  # noqa: E731
+                                 "raw", alternatives=list(alts))]
+    lines = sure()
+    assert lm_correct(lines, [0], {0: 0}, strong, default, set(), 2)[0] == [] and lines[0].reading.text == "cot sat"
+    lines = sure([("padded", plain("cat sat"))])
+    assert len(lm_correct(lines, [0], {0: 0}, strong, default, set(), 2)[0]) == 1
+
+
+def test_a_rival_the_recogniser_finds_implausible_needs_support():
+    rule = LmRule(lm_weight=1.0, protect_conf=0.9, min_rival=0.2)
+    strong = KeywordScorer("cat", bonus=50.0)
+    quad = torch.zeros(4, 2).numpy()
+    # "o" at 0.6, "a" at 0.1: 0.1 < 0.2 * 0.6, so the recogniser's own rival is too weak
+    lines = [Line(quad, reading("cot sat", {1: [("o", 0.6), ("a", 0.1), ("", 0.3)]}))]
+    assert lm_correct(lines, [0], {0: 0}, strong, rule, set(), 2)[0] == []
+    lines = [Line(quad, reading("cot sat", {1: [("o", 0.6), ("a", 0.3), ("", 0.1)]}))]
+    assert len(lm_correct(lines, [0], {0: 0}, strong, rule, set(), 2)[0]) == 1
+
+
+def test_language_model_gain_per_edit():
+    # "cat" is worth 5 nats to the model; a rule asking for 6 per changed character keeps "cot"
+    for need, changed in ((4.0, True), (6.0, False)):
+        lines = page()
+        rule = LmRule(lm_weight=1.0, threshold=0.9, min_lm_gain=need)
+        lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), rule, set(), 2)
+        assert (lines[1].reading.text == "cat sat") == changed
+
+
+def test_support_aligns_other_readings_character_by_character():
+    from glm5.apps.ocr.correct import slot_support
+    cur = plain("the fle is")
+    support = slot_support(cur.slots, [("a", plain("the fie is")), ("b", plain("tho file is"))])
+    assert support[5] == {"l", "i"}  # "a" reads "i" there; "b"'s "fi" for "f" is not position by position
+    assert support[2] == {"e", "o"} and support[0] == {"t"}
+
+
+class BonusScorer:
+    """A stand-in language model: a bonus per occurrence of each of several strings."""
+
+    def __init__(self, bonuses: dict[str, float]):
+        self.bonuses, self.calls = bonuses, []
+
+    def logprob(self, texts):
+        self.calls.append(list(texts))
+        return [sum(b * t.count(w) for w, b in self.bonuses.items()) for t in texts]
+
+
+def test_an_edit_that_rides_along_with_a_strong_one_must_pay_for_itself():
+    quad = torch.zeros(4, 2).numpy()
+    # "( 1)" is right; the model wants "owner" by 25 nats and, weakly, "( l)" by 7
+    text = "chmod( 1) owmer"
+    make = lambda: [Line(quad, reading(text, {7: [("1", 0.67), ("l", 0.32), ("", 0.01)],  # noqa: E731
+                                              12: [("m", 0.6), ("n", 0.35), ("", 0.05)]}))]
+    scorer = BonusScorer({"owner": 25.0, "( l)": 7.0})
+    lines = make()
+    lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, min_lm_gain=0.0), set(), 2)
+    assert lines[0].reading.text == "chmod( l) owner"  # without a per-edit gain both go through
+    lines = make()
+    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, min_lm_gain=10.0), set(), 2)
+    assert lines[0].reading.text == "chmod( 1) owner" and len(changes) == 1

@@ -54,6 +54,16 @@ class OcrConfig:
     """Language-model rounds also take candidates from round 1's other readings of a line."""
     lm_same_length: bool = True
     """Language-model rounds only substitute characters (never drop or add one)."""
+    lm_protect_conf: float = 0.9
+    """Language-model rounds change a character read at this confidence or more only when another
+    round-1 reading of the line reads the new character there (1.0: no protection; 0.9, the default,
+    guards the characters `lm_threshold` already leaves alone if that is raised). The defaults of these
+    three were chosen on seed-1 and seed-2 pages (docs/ocr.md)."""
+    lm_min_rival: float = 0.1
+    """An unsupported language-model change needs the new character at >= this fraction of the read
+    character's recogniser probability."""
+    lm_min_gain: float = 8.0
+    """Nats per changed character by which the language model alone must prefer a correction."""
     num_threads: int = 0
     """onnxruntime threads (0 = its default)."""
     max_pixels: int = MAX_PIXELS
@@ -82,7 +92,9 @@ class OcrConfig:
     def lm_rule(self) -> correct.LmRule:
         return correct.LmRule(lm_weight=self.lm_weight, threshold=self.lm_threshold, min_margin=self.lm_margin,
                               max_candidates=self.max_candidates, max_edits=self.max_edits,
-                              alternatives=self.lm_alternatives, same_length=self.lm_same_length)
+                              alternatives=self.lm_alternatives, same_length=self.lm_same_length,
+                              protect_conf=self.lm_protect_conf, min_rival=self.lm_min_rival,
+                              min_lm_gain=self.lm_min_gain)
 
 
 class OcrAgent:
@@ -158,9 +170,10 @@ class OcrAgent:
         return res
 
     def lm_rounds(self, res: PageResult, bgr: np.ndarray | None, rounds: int, rule: correct.LmRule,
-                  scorer=None, deadline: Deadline | None = None) -> bool:
+                  scorer=None, deadline: Deadline | None = None, trace: list | None = None) -> bool:
         """Language-model rounds 2..rounds on a page read through round 1, in place (`scorer`
-        defaults to the agent's); True when some line changed (the layout is then analysed again)."""
+        defaults to the agent's); True when some line changed (the layout is then analysed again).
+        `trace` (a list) collects every scored line's candidates (`correct.lm_correct`)."""
         scorer = scorer or self.scorer
         order = res.layout.reading_order()
         block_of = {i: n for n, b in enumerate(res.layout.blocks) for i in b.lines}
@@ -168,7 +181,7 @@ class OcrAgent:
         settled: set[int] = set()
         for round_no in range(2, rounds + 1):
             changes, summary = correct.lm_correct(res.lines, order, block_of, scorer, rule, settled, round_no, code,
-                                                 deadline)
+                                                 deadline, trace)
             res.changes += changes
             res.rounds.append(summary)
             if not changes:

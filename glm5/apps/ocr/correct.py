@@ -17,7 +17,7 @@ only substitutions are offered (`same_length`): given deletions, a weak model dr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from difflib import SequenceMatcher
 
 import numpy as np
@@ -237,6 +237,48 @@ def _map(ops: list[tuple], x: int, start: bool) -> int:
     return j1 if (start and x == i1) or (not start and x != i2) else j2
 
 
+@dataclass(frozen=True)
+class Edit:
+    """One character a candidate changes: slot index, the recogniser's reading and the candidate's,
+    their recogniser probabilities, and whether another round-1 reading of the line reads the new
+    text there (`supported`: independent visual evidence for the change)."""
+
+    slot: int
+    before: str
+    after: str
+    p_before: float
+    p_after: float
+    supported: bool
+
+
+def edits_of(slots: list[ctc.Slot], cand: Candidate, support: list[set[str]] | None = None) -> list[Edit]:
+    """What `cand` changes relative to the recogniser's reading (option 0 at every slot). A `SpanSlot`
+    option comes from another reading of the line, so it is supported by construction."""
+    out = []
+    for j, (s, k) in enumerate(zip(slots, cand.choice)):
+        if k == 0:
+            continue
+        (t0, p0), (t1, p1) = s.options[0], s.options[k]
+        sup = isinstance(s, SpanSlot) or (support is not None and t1 in support[j])
+        out.append(Edit(j, t0, t1, float(p0), float(p1), bool(sup)))
+    return out
+
+
+def slot_support(slots: list[ctc.Slot], alternatives: list[tuple[str, Reading]]) -> list[set[str]]:
+    """Per slot of the reading, the texts that round 1's other readings of the line put there (their
+    best option, aligned character by character; a stretch replaced by one of equal length maps
+    position by position, other stretches give nothing)."""
+    keys = [s.best for s in slots]
+    out: list[set[str]] = [set() for _ in slots]
+    for _, alt in alternatives:
+        other = [s.best for s in alt.slots]
+        for tag, i1, i2, j1, j2 in SequenceMatcher(None, keys, other, autojunk=False).get_opcodes():
+            if tag == "equal" or (tag == "replace" and i2 - i1 == j2 - j1):
+                for d in range(i2 - i1):
+                    out[i1 + d].add(other[j1 + d])
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class LmRule:
     """When a language-model round may replace the recogniser's reading (see docs/ocr.md for how the
@@ -258,6 +300,18 @@ class LmRule:
     same_length: bool = True
     """Substitutions only: no candidate drops or adds a character. A language model gains many nats by
     dropping a rare character (a rare CJK character, `*`, `#`), which a weak one cannot outweigh."""
+    protect_conf: float = 0.9
+    """A character the recogniser read at this confidence or more may change only with support: another
+    round-1 reading of the line (another crop) reads the new character there. 1.0 = no protection."""
+    min_rival: float = 0.1
+    """An unsupported change needs the new character's recogniser probability to be at least this
+    fraction of the read character's (the recogniser itself must find the rival plausible)."""
+    min_lm_gain: float = 8.0
+    """Nats by which the language model alone must prefer each unsupported changed character (one no
+    other round-1 reading puts there): the winner against the same candidate with that one character
+    put back (`lm_correct`); a supported one needs only a gain above 0. An edit that rides along with a
+    strong one (the model gains 25 nats from `owmer` -> `owner` and would also take `chmod( 1)` ->
+    `chmod( l)` for 7) must pay for itself; edits that do not are put back."""
 
     def __post_init__(self):
         if self.lm_weight < 0:
@@ -268,13 +322,30 @@ class LmRule:
             raise ValueError("lm_margin: must be >= 0")
         if self.max_candidates < 2 or self.max_edits < 1:
             raise ValueError("max_candidates: must be >= 2 and max_edits >= 1")
+        if not 0.0 < self.protect_conf <= 1.0:
+            raise ValueError("lm_protect_conf: must be in (0, 1]")
+        if not 0.0 <= self.min_rival <= 1.0:
+            raise ValueError("lm_min_rival: must be in [0, 1]")
+        if self.min_lm_gain < 0:
+            raise ValueError("lm_min_gain: must be >= 0")
+
+    def admits(self, edits: list[Edit]) -> bool:
+        """May a candidate make these edits at all (before any language-model score)? Every unsupported
+        edit must change a character read under `protect_conf` to a rival the recogniser gives at least
+        `min_rival` of its probability."""
+        return all(e.supported or (e.p_before < self.protect_conf and e.p_after >= self.min_rival * e.p_before)
+                   for e in edits)
 
 
 def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], scorer, rule: LmRule,
                settled: set[int], round_no: int, code_lines: set[int] = frozenset(),
-               deadline: Deadline | None = None) -> tuple[list[Change], dict]:
+               deadline: Deadline | None = None, trace: list | None = None) -> tuple[list[Change], dict]:
     """One language-model round over the doubtful, unsettled lines (in reading order); `deadline` is
-    checked before each line is scored."""
+    checked before each line is scored. Candidates the rule does not admit (`LmRule.admits`) are not
+    scored; the best of the rest replaces the reading if it leads it by `min_margin` in the combined
+    score and each of its edits gains `min_lm_gain` in the language model's own (`_edits_that_pay`).
+    `trace`, when a list, gets one dict per scored line (every candidate's text, edits and scores, and
+    the leave-one-out gains of the winner's edits) for offline study of the rule."""
     changes, examined = [], 0
     for pos, i in enumerate(order):
         if i in settled:
@@ -286,6 +357,10 @@ def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], sc
             continue
         cands = candidates(slots, rule.threshold, rule.max_candidates, max_edits=rule.max_edits,
                            same_length=rule.same_length)
+        support = slot_support(slots, lines[i].alternatives)
+        edits = [edits_of(slots, c, support) for c in cands]
+        keep = [k for k in range(len(cands)) if k == 0 or rule.admits(edits[k])]
+        cands, edits = [cands[k] for k in keep], [edits[k] for k in keep]
         if len(cands) < 2:
             settled.add(i)
             continue
@@ -300,21 +375,70 @@ def lm_correct(lines: list[Line], order: list[int], block_of: dict[int, int], sc
         best, runner_up = ranked[0], ranked[1]
         if totals[best] - totals[runner_up] > math.log(9.0):  # posterior >= 0.9 among the top two
             settled.add(i)
-        # cands[0] is the recogniser's reading: keep it unless the winner leads it by the margin
-        if best == 0 or totals[best] - totals[0] < rule.min_margin:
+        chosen, gains = None, []
+        if best != 0:
+            score = lambda c: scorer.logprob([_join(prefix + [c.text(slots).strip()] + suffix, sep)])[0]  # noqa: E731
+            known = {c.choice: a for c, a in zip(cands, lm)}
+            need = {e.slot: 0.0 if e.supported else rule.min_lm_gain for e in edits[best]}
+            chosen, gains = _edits_that_pay(cands[best], slots, known, score, need)
+        if trace is not None:
+            offsets = np.cumsum([0] + [len(s.best) for s in slots]).tolist()  # slot -> character offset
+            trace.append({"line": i, "round": round_no, "texts": [c.text(slots) for c in cands], "lm": lm,
+                          "rec": [c.rec_logprob for c in cands], "best": best, "gains": gains,
+                          "edits": [[asdict(e) | {"pos": offsets[e.slot]} for e in es] for es in edits]})
+        # cands[0] is the recogniser's reading: keep it unless the winner (less the edits that do not pay
+        # for themselves) leads it by the margin
+        if chosen is None or chosen.edits == 0:
             continue
+        total = rule.lm_weight * known[chosen.choice] + chosen.rec_logprob
+        if total - totals[0] < rule.min_margin or total <= totals[0]:
+            continue
+        best_lm = known[chosen.choice]
         before = lines[i].reading.text
         lines[i].history.append({"round": round_no, "text": before, "source": lines[i].source})
-        lines[i].reading = chosen_reading(slots, cands[best].choice)
+        lines[i].reading = chosen_reading(slots, chosen.choice)
         lines[i].source = "language-model"
         changes.append(Change(round_no, i, before, lines[i].reading.text,
                               f"language model preferred it among {len(cands)} candidates: score "
-                              f"{totals[best]:.2f} vs {totals[0]:.2f} for the recogniser's reading "
-                              f"(lm {lm[best]:.2f} vs {lm[0]:.2f}, recogniser {cands[best].rec_logprob:.2f} "
+                              f"{total:.2f} vs {totals[0]:.2f} for the recogniser's reading "
+                              f"(lm {best_lm:.2f} vs {lm[0]:.2f}, recogniser {chosen.rec_logprob:.2f} "
                               f"vs {cands[0].rec_logprob:.2f})"))
     summary = {"round": round_no, "kind": "language-model", "examined": examined, "changed": len(changes),
                "doubtful_after": sum(doubtful(ln, rule.threshold) for ln in lines)}
     return changes, summary
+
+
+def _edits_that_pay(cand: Candidate, slots: list[ctc.Slot], known: dict[tuple, float], score,
+                    need: dict[int, float]) -> tuple[Candidate, list[float]]:
+    """`cand` less the edits the language model does not want by `need[slot]` nats on their own: each
+    edit's gain is the model's log-probability of the candidate minus that of the candidate with that
+    one slot put back (scored with `score` when it is not in `known`, which gets it); the edit furthest
+    under its need is put back and the rest checked again. Returns the candidate (possibly with no
+    edit left) and the gains of the first check (for the trace)."""
+    first: list[float] | None = None
+    while cand.edits:
+        gains = []
+        for j, k in enumerate(cand.choice):
+            if k == 0:
+                continue
+            back = cand.choice[:j] + (0,) + cand.choice[j + 1:]
+            if back not in known:
+                known[back] = score(_with_choice(slots, back))
+            gains.append((known[cand.choice] - known[back], j))
+        if first is None:
+            first = [g for g, _ in gains]
+        short, j = min((g - need.get(j, 0.0), j) for g, j in gains)
+        if short >= 0:
+            break
+        cand = _with_choice(slots, cand.choice[:j] + (0,) + cand.choice[j + 1:])
+        if cand.choice not in known and cand.edits:
+            known[cand.choice] = score(cand)
+    return cand, first or []
+
+
+def _with_choice(slots: list[ctc.Slot], choice: tuple[int, ...]) -> Candidate:
+    rec = sum(math.log(max(s.options[k][1], 1e-6)) for s, k in zip(slots, choice))
+    return Candidate(choice, rec, sum(k != 0 for k in choice))
 
 
 def _context(lines: list[Line], order: list[int], block_of: dict[int, int], pos: int,
