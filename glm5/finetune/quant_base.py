@@ -46,6 +46,8 @@ FP8_BLOCK = (128, 128)
 class Int8Weight(nn.Module):
     """Parametrization: int8 [..., N, K] -> q * scale [..., N] in `dtype` (glm5.infer.quant's format)."""
 
+    frozen_storage = True  # its scale is the base's: not in fine-tuning checkpoints (glm5/train/parallel_ckpt.py)
+
     def __init__(self, scale: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("scale", scale)
@@ -53,6 +55,10 @@ class Int8Weight(nn.Module):
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         return dequantize_weight(q, self.scale).to(self.dtype)
+
+    def select(self, lo: int, hi: int) -> Int8Weight:
+        """The parametrization of experts [lo, hi) of a fused [E, ...] weight (expert parallel)."""
+        return Int8Weight(self.scale[lo:hi].clone(), self.dtype)
 
     @staticmethod
     def quantize(w: torch.Tensor, parts: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +73,8 @@ class FP8Weight(nn.Module):
     """Parametrization: fp8 e4m3 [..., N, K] with tile scales [..., P, R, C] (each of the P fused parts
     tiled on its own, as its on-disk tensor was) -> W in `dtype`."""
 
+    frozen_storage = True
+
     def __init__(self, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
         super().__init__()
         self.register_buffer("scale", scale)
@@ -76,6 +84,10 @@ class FP8Weight(nn.Module):
         *lead, n, k = w.shape
         parts = w.view(*lead, self.scale.shape[-3], -1, k)  # [..., P, N/P, K]
         return dequantize_fp8(parts, self.scale, self.block).view(w.shape).to(self.dtype)
+
+    def select(self, lo: int, hi: int) -> FP8Weight:
+        """The parametrization of experts [lo, hi) of a fused [E, ...] weight (expert parallel)."""
+        return FP8Weight(self.scale[lo:hi].clone(), self.block, self.dtype)
 
     @staticmethod
     def quantize(w: torch.Tensor, parts: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
