@@ -6,7 +6,10 @@ shards it like a pretraining model: FSDP2 units hold frozen and trainable parame
 `fully_shard` keeps `requires_grad` per parameter and reduces only the gradients that exist), expert
 parallel gives each rank its experts' LoRA slices (`parallel_ep.EPExperts`), tensor parallel splits
 each adapter like its base weight (`parallel_tp._lora_styles`), and `parallelize` here adds the
-tensor-parallel gradient reduction of prefix entries (`TPPrefixMLAttention`). Every trained tensor keeps its name
+tensor-parallel gradient reduction of prefix entries (`TPPrefixMLAttention`). A quantised base
+(`model.base_quant`, glm5/finetune/quant_base.py) is held the same way on every layout: FSDP2 shards its
+int8 / fp8 storage like any frozen parameter, expert parallel slices it with its scales, tensor parallel
+splits it like the plain weight. Every trained tensor keeps its name
 and its full shape (as a DTensor), so `gather_trainable` can rebuild the exact single-process tensors
 and DCP can reshard a checkpoint to another world size.
 """
@@ -31,13 +34,6 @@ def check_mesh(cfg: FinetuneConfig, world: int = 1) -> None:
     """Refuse, before the base is loaded, a mesh the method cannot run on (ValueError naming the key).
     `world`: the number of processes (torchrun's WORLD_SIZE)."""
     par = cfg.parallel
-    if world > 1 and cfg.model.base_quant != "none" and par.tensor_parallel > 1:
-        # FSDP2 shards the int8 / fp8 storage like any frozen parameter and expert parallel slices it
-        # with its scales (parallel_ep._LocalStorage); tensor parallel's styles cannot distribute a
-        # parametrized weight (nor split FP8 tiles across ranks)
-        raise ValueError(f"model.base_quant = {cfg.model.base_quant!r} with parallel.tensor_parallel="
-                         f"{par.tensor_parallel}: a quantised base runs on data (FSDP) and expert parallel "
-                         "meshes only; use parallel.tensor_parallel = 1 or model.base_quant = 'none'")
     if cfg.method != "full" and par.pipeline_parallel > 1:
         raise ValueError(f"method = {cfg.method!r} with parallel.pipeline_parallel={par.pipeline_parallel}: "
                          "adapters are not pipelined; use data, expert or tensor parallel "

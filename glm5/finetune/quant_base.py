@@ -54,7 +54,15 @@ class Int8Weight(nn.Module):
         self.dtype = dtype
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        return dequantize_weight(q, self.scale).to(self.dtype)
+        return self.dequant(q, self.scale)
+
+    def dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_weight(q, scale).to(self.dtype)
+
+    def split(self, dim: int, lo: int, hi: int) -> Int8Weight:
+        """The parametrization of rows (dim -2) or columns (dim -1) [lo, hi) of the weight (tensor
+        parallel): a row's scale goes with it, the columns keep them all."""
+        return Int8Weight((self.scale[..., lo:hi] if dim == -2 else self.scale).clone(), self.dtype)
 
     def select(self, lo: int, hi: int) -> Int8Weight:
         """The parametrization of experts [lo, hi) of a fused [E, ...] weight (expert parallel)."""
@@ -81,9 +89,25 @@ class FP8Weight(nn.Module):
         self.block, self.dtype = block, dtype
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return self.dequant(w, self.scale)
+
+    def dequant(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         *lead, n, k = w.shape
-        parts = w.view(*lead, self.scale.shape[-3], -1, k)  # [..., P, N/P, K]
-        return dequantize_fp8(parts, self.scale, self.block).view(w.shape).to(self.dtype)
+        parts = w.view(*lead, scale.shape[-3], -1, k)  # [..., P, N/P, K]
+        return dequantize_fp8(parts, scale, self.block).view(w.shape).to(self.dtype)
+
+    def split(self, dim: int, lo: int, hi: int) -> FP8Weight:
+        """The parametrization of rows (dim -2) or columns (dim -1) [lo, hi) of an unfused weight (tensor
+        parallel): their tiles' scales. Raises ValueError unless the slice starts on a tile edge."""
+        size = self.block[0 if dim == -2 else 1]
+        if self.scale.shape[-3] != 1:
+            raise ValueError("tensor parallel: a fused FP8 weight cannot be split")
+        if lo % size:
+            raise ValueError(f"{hi - lo} {'rows' if dim == -2 else 'columns'} per tensor-parallel rank do not "
+                             f"align with the FP8 block {list(self.block)}")
+        tiles = slice(lo // size, -(-hi // size))
+        scale = self.scale[..., tiles, :] if dim == -2 else self.scale[..., tiles]
+        return FP8Weight(scale.clone(), self.block, self.dtype)
 
     def select(self, lo: int, hi: int) -> FP8Weight:
         """The parametrization of experts [lo, hi) of a fused [E, ...] weight (expert parallel)."""

@@ -80,6 +80,9 @@ class EPExperts(nn.Module):
     source (`ExpertLoRA` parametrization, glm5/model/lora.py) stays adapted: its A [E, r, in] and
     B [E, out, r] are sharded the same way, so this rank trains only its experts' adapters, and the
     parameter names (`parametrizations.<name>.original`, `.0.lora_A`) are the single-process ones.
+    A quantised base (glm5/finetune/quant_base.py: int8 / fp8 storage read through a parametrization)
+    keeps its storage sharded the same way and this rank's experts' scales (`_LocalStorage`), ahead of
+    the LoRA in the chain (`.1.lora_A`, as in one process).
     """
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
