@@ -119,6 +119,19 @@ def test_lora_gradients_on_a_quantised_base_equal_one_process(tmp_path, parallel
     _assert_sharded_gradients(tmp_path, parallel, quant)
 
 
+@pytest.mark.slow
+def test_quantised_base_under_bf16_mixed_precision(tmp_path):
+    """FSDP's bf16 policy (the GPU default): the fp8 storage is dequantised to bf16, the dtype of the
+    gathered parameters and activations (it was loaded for fp32); the loss is one fp32 process's within
+    bf16 rounding and every adapter gets a finite gradient."""
+    loss, grads = _loss_and_grads(_adapted_model("fp8"), _ids())
+    mp.spawn(_grad_worker, args=(_port(), {"dp": 2, "dtype": "bf16"}, str(tmp_path / "out.pt"), "fp8"), nprocs=WORLD,
+             join=True)
+    got = torch.load(tmp_path / "out.pt")
+    assert abs(got["loss"] - loss) <= 1e-3 * abs(loss)
+    assert set(got["grads"]) == set(grads) and all(g.isfinite().all() for g in got["grads"].values())
+
+
 def _assert_sharded_gradients(tmp_path, parallel: dict, quant: str = "none") -> None:
     loss, grads = _loss_and_grads(_adapted_model(quant), _ids())
     mp.spawn(_grad_worker, args=(_port(), parallel, str(tmp_path / "out.pt"), quant), nprocs=WORLD, join=True)
