@@ -292,6 +292,40 @@ def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, p
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
 
 
+def _failing_export_worker(rank: int, port: int, cfg: FinetuneConfig, out: str) -> None:
+    _env(rank, port)
+    import glm5.finetune.trainer as trainer
+
+    def refuse(*args, **kwargs):
+        raise ValueError("assemble refused the gathered tensors")
+
+    trainer.assemble = refuse  # runs on rank 0 only
+    try:
+        _fit(cfg)
+    except Exception as e:  # noqa: BLE001
+        Path(f"{out}{rank}").write_text(f"{type(e).__name__}: {e}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_failure_writing_the_adapter_on_rank_0_is_raised_on_every_rank(base, tmp_path):
+    """Rank 0 alone assembles and writes the adapter: when that fails (here at the step-2 checkpoint), every
+    rank raises instead of waiting for rank 0 in its next collective."""
+    import time
+    out = str(tmp_path / "error")
+    ctx = mp.spawn(_failing_export_worker, args=(_port(), _cfg(base, tmp_path / "run", ROWS // WORLD, steps=3), out),
+                   nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks hung after rank 0 failed to write the adapter")
+    assert Path(f"{out}0").read_text() == "ValueError: assemble refused the gathered tensors"
+    assert Path(f"{out}1").read_text().startswith("RuntimeError: rank 0 could not write the adapter")
+
+
 def _trained_state(trainer) -> dict[str, torch.Tensor]:
     """Collective: every trained tensor and its AdamW state (`name#exp_avg`, ...), gathered to full tensors."""
     from torch.distributed.tensor import DTensor
