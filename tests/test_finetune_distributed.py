@@ -50,9 +50,12 @@ def _env(rank: int, port: int) -> None:
 
 
 # --- gradients of the sharded model --------------------------------------------------------------------
-def _adapted_model() -> GLM5AdapterModel:
+def _adapted_model(quant: str = "none") -> GLM5AdapterModel:
+    """The tiny model with LoRA everywhere; `quant`: its base held int8 / fp8 (model.base_quant) first."""
+    from glm5.finetune.quant_base import quantize_base
     torch.manual_seed(0)
-    model = GLM5AdapterModel(tiny_config(index_topk=16)).init_weights(0)
+    block = {"block": (16, 16)} if quant == "fp8" else {}  # several FP8 tiles per matrix, aligned with a TP split
+    model = quantize_base(GLM5AdapterModel(tiny_config(index_topk=16)).init_weights(0), quant, **block)
     torch.manual_seed(1)
     model.add_lora(LoraConfig(r=4, alpha=8, targets=ALL))
     with torch.no_grad():  # B != 0: every A gets a gradient too
@@ -81,12 +84,12 @@ def _loss_and_grads(model, ids, context=contextlib.nullcontext, scale=1.0):
     return float(loss.detach()), grads
 
 
-def _grad_worker(rank: int, port: int, parallel: dict, out: str) -> None:
+def _grad_worker(rank: int, port: int, parallel: dict, out: str, quant: str = "none") -> None:
     _env(rank, port)
     torch.distributed.init_process_group("gloo")
     try:
         from glm5.train.parallel import apply_parallel
-        model = apply_parallel(_adapted_model(), **parallel)
+        model = apply_parallel(_adapted_model(quant), **parallel)
         plan = model.parallel_plan
         ids = _ids().chunk(plan.data_world)[plan.data_rank]
         # FSDP averages gradients over the data ranks: scale to the single process's sum
@@ -102,8 +105,36 @@ def _grad_worker(rank: int, port: int, parallel: dict, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}, {"tp": 2}], ids=["fsdp", "ep", "tp"])
 def test_sharded_lora_gradients_equal_one_process(tmp_path, parallel):
-    loss, grads = _loss_and_grads(_adapted_model(), _ids())
-    mp.spawn(_grad_worker, args=(_port(), parallel, str(tmp_path / "out.pt")), nprocs=WORLD, join=True)
+    _assert_sharded_gradients(tmp_path, parallel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"ep": 2}, {"tp": 2}], ids=["fsdp", "ep", "tp"])
+def test_lora_gradients_on_a_quantised_base_equal_one_process(tmp_path, parallel, quant):
+    """QLoRA-style on the mesh: FSDP2 shards the int8 / fp8 storage like any frozen parameter, expert
+    parallel gives each rank its experts' storage and scales, tensor parallel its rows / columns of each
+    split weight with their scales (FP8 tiles 16 x 16 here); the same loss and adapter gradients as one
+    process on the same quantised base."""
+    _assert_sharded_gradients(tmp_path, parallel, quant)
+
+
+@pytest.mark.slow
+def test_quantised_base_under_bf16_mixed_precision(tmp_path):
+    """FSDP's bf16 policy (the GPU default): the fp8 storage is dequantised to bf16, the dtype of the
+    gathered parameters and activations (it was loaded for fp32); the loss is one fp32 process's within
+    bf16 rounding and every adapter gets a finite gradient."""
+    loss, grads = _loss_and_grads(_adapted_model("fp8"), _ids())
+    mp.spawn(_grad_worker, args=(_port(), {"dp": 2, "dtype": "bf16"}, str(tmp_path / "out.pt"), "fp8"), nprocs=WORLD,
+             join=True)
+    got = torch.load(tmp_path / "out.pt")
+    assert abs(got["loss"] - loss) <= 1e-3 * abs(loss)
+    assert set(got["grads"]) == set(grads) and all(g.isfinite().all() for g in got["grads"].values())
+
+
+def _assert_sharded_gradients(tmp_path, parallel: dict, quant: str = "none") -> None:
+    loss, grads = _loss_and_grads(_adapted_model(quant), _ids())
+    mp.spawn(_grad_worker, args=(_port(), parallel, str(tmp_path / "out.pt"), quant), nprocs=WORLD, join=True)
     got = torch.load(tmp_path / "out.pt")
     assert abs(got["loss"] - loss) <= 1e-5 * abs(loss)
     assert set(got["grads"]) == set(grads) and any("experts.parametrizations" in n for n in grads)
@@ -125,9 +156,9 @@ def base(tmp_path_factory):
 
 
 def _cfg(base: Path, run: Path, rows: int, steps: int = STEPS, resume: str = "", method: str = "lora",
-         **parallel) -> FinetuneConfig:
+         quant: str = "none", **parallel) -> FinetuneConfig:
     return from_dict(FinetuneConfig, {
-        "method": method, "model": {"name": str(base / "base")},
+        "method": method, "model": {"name": str(base / "base"), "base_quant": quant},
         "data": {"train_path": str(base / "train.jsonl"), "val_path": "", "batch_size": rows, "seq_len": 48,
                  "pack": method != "prefix"},
         "lora": {"r": 4, "alpha": 8, "targets": ALL}, "prefix": {"num_virtual_tokens": 4},
@@ -220,6 +251,30 @@ def test_ep_tp_lora_match_one_process_and_resume_on_one(base, tmp_path, parallel
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quant,parallel", [("int8", {}), ("fp8", {"expert_parallel": 2}),
+                                            ("int8", {"tensor_parallel": 2})], ids=["int8_fsdp", "fp8_ep", "int8_tp"])
+def test_lora_on_a_quantised_base_matches_one_process_and_resumes(base, tmp_path, quant, parallel):
+    """LoRA on a frozen int8 / fp8 base under torchrun: the losses and the adapter equal one process on the
+    same quantised base; the DCP checkpoints hold the adapters only (no int8 / fp8 storage, no scales);
+    resumed from step 2 on the same mesh the run continues bit for bit, and in one process the same.
+    (fp8 with TP is in the gradient test: this base's 128 x 128 tiles do not split over 2 ranks.)"""
+    ref = _fit(_cfg(base, tmp_path / "one", ROWS, steps=3, quant=quant))
+    dist = _spawn(_cfg(base, tmp_path / "dist", _rows(parallel), steps=3, quant=quant, **parallel))
+    assert _close(dist, ref), (dist, ref)
+    a, b = _adapter(tmp_path / "one"), _adapter(tmp_path / "dist")
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+    step2 = tmp_path / "dist" / "checkpoints" / "step_00000002"
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = [k for k in FileSystemReader(str(step2 / "dcp")).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert any("experts.parametrizations" in k and "lora_A" in k for k in saved)
+    assert not [k for k in saved if k.endswith((".original", ".scale")) or "base_layer" in k], saved
+    again = _spawn(_cfg(base, tmp_path / "again", _rows(parallel), steps=3, resume=str(step2), quant=quant, **parallel))
+    assert again == dist[2:], (again, dist)
+    alone = _fit(_cfg(base, tmp_path / "alone", ROWS, steps=3, resume=str(step2), quant=quant))
+    assert _close(alone, dist[2:]), (alone, dist)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method,parallel", [("prefix", {}), ("prefix", {"expert_parallel": 2}),
                                              ("prefix", {"tensor_parallel": 2}), ("full", {}),
                                              ("full", {"expert_parallel": 2}), ("full", {"tensor_parallel": 2})],
@@ -235,6 +290,40 @@ def test_prefix_and_full_on_the_mesh_match_one_process(base, tmp_path, method, p
         from glm5.core.io import LazyTensors, safetensors_files
         a, b = (LazyTensors(safetensors_files(tmp_path / d / "final")).load_all() for d in ("one", "dist"))
     assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+
+
+def _failing_export_worker(rank: int, port: int, cfg: FinetuneConfig, out: str) -> None:
+    _env(rank, port)
+    import glm5.finetune.trainer as trainer
+
+    def refuse(*args, **kwargs):
+        raise ValueError("assemble refused the gathered tensors")
+
+    trainer.assemble = refuse  # runs on rank 0 only
+    try:
+        _fit(cfg)
+    except Exception as e:  # noqa: BLE001
+        Path(f"{out}{rank}").write_text(f"{type(e).__name__}: {e}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_failure_writing_the_adapter_on_rank_0_is_raised_on_every_rank(base, tmp_path):
+    """Rank 0 alone assembles and writes the adapter: when that fails (here at the step-2 checkpoint), every
+    rank raises instead of waiting for rank 0 in its next collective."""
+    import time
+    out = str(tmp_path / "error")
+    ctx = mp.spawn(_failing_export_worker, args=(_port(), _cfg(base, tmp_path / "run", ROWS // WORLD, steps=3), out),
+                   nprocs=WORLD, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the ranks hung after rank 0 failed to write the adapter")
+    assert Path(f"{out}0").read_text() == "ValueError: assemble refused the gathered tensors"
+    assert Path(f"{out}1").read_text().startswith("RuntimeError: rank 0 could not write the adapter")
 
 
 def _trained_state(trainer) -> dict[str, torch.Tensor]:
@@ -342,10 +431,18 @@ def test_meshes_that_cannot_hold_the_adapters_are_refused():
     with pytest.raises(ValueError, match="parallel.pipeline_parallel=2"):
         check_mesh(from_dict(FinetuneConfig, {"parallel": {"pipeline_parallel": 2}}))
     check_mesh(from_dict(FinetuneConfig, {"method": "full", "parallel": {"pipeline_parallel": 2}}))
-    for quant in ("int8", "fp8"):  # a quantised base on any mesh, FSDP included: refused before the base loads
-        with pytest.raises(ValueError, match=f"model.base_quant = '{quant}' with 2 processes"):
-            check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}}), world=2)
-        check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}}), world=1)
+    for quant in ("int8", "fp8"):  # a quantised base runs on FSDP, expert and tensor parallel meshes
+        for parallel in ({}, {"expert_parallel": 2}, {"tensor_parallel": 2}):
+            check_mesh(from_dict(FinetuneConfig, {"model": {"base_quant": quant}, "parallel": parallel}), world=2)
+    # ... but tensor parallel does not split a FP8 weight across a 128 x 128 tile (parallel_tp._shard_held
+    # refuses it naming the key and the layer)
+    from glm5.finetune.quant_base import FP8Weight, quantize_base
+    fp8 = quantize_base(tiny_model(), "fp8").get_submodule("model.layers.0.self_attn.q_b_proj").parametrizations.weight[0]
+    with pytest.raises(ValueError, match=r"48 rows per tensor-parallel rank do not align with the FP8 block \[128, 128\]"):
+        fp8.split(-2, 48, 96)
+    assert fp8.split(-2, 0, 48).scale.shape == fp8.scale.shape  # the first rank's rows: the same tile
+    tiles = FP8Weight(torch.ones(1, 6, 2), (16, 16), torch.float32)
+    assert tiles.split(-2, 48, 96).scale.shape == (1, 3, 2) and tiles.split(-1, 16, 32).scale.shape == (1, 6, 1)
     with pytest.raises(ValueError, match="n_routed_experts=6"):
         check_model(tiny_config(n_routed_experts=6), {"pp": 1, "dp": 1, "ep": 4, "tp": 1})
     model = GLM5AdapterModel(tiny_config(num_attention_heads=3, qk_nope_head_dim=15))
@@ -378,8 +475,9 @@ def test_merge_on_a_sharded_base(tmp_path):
 
 
 @pytest.mark.parametrize("args,says", [(["--parallel.pipeline_parallel=2"], "parallel.pipeline_parallel=2"),
-                                       (["--model.base_quant=int8"], "model.base_quant = 'int8' with 2 processes")],
-                         ids=["pipelined", "quantised_base"])
+                                       (["--model.base_quant=int8", "--parallel.pipeline_parallel=2"],
+                                        "parallel.pipeline_parallel=2")],
+                         ids=["pipelined", "pipelined_quantised_base"])
 def test_cli_refuses_meshes_adapters_cannot_use_in_one_line(base, tmp_path, capsys, monkeypatch, args, says):
     from glm5.finetune import trainer
     from glm5.finetune.launch import main

@@ -6,12 +6,17 @@ shards it like a pretraining model: FSDP2 units hold frozen and trainable parame
 `fully_shard` keeps `requires_grad` per parameter and reduces only the gradients that exist), expert
 parallel gives each rank its experts' LoRA slices (`parallel_ep.EPExperts`), tensor parallel splits
 each adapter like its base weight (`parallel_tp._lora_styles`), and `parallelize` here adds the
-tensor-parallel gradient reduction of prefix entries (`TPPrefixMLAttention`). Every trained tensor keeps its name
+tensor-parallel gradient reduction of prefix entries (`TPPrefixMLAttention`). A quantised base
+(`model.base_quant`, glm5/finetune/quant_base.py) is held the same way on every layout: FSDP2 shards its
+int8 / fp8 storage like any frozen parameter, expert parallel slices it with its scales, tensor parallel
+splits it like the plain weight. Every trained tensor keeps its name
 and its full shape (as a DTensor), so `gather_trainable` can rebuild the exact single-process tensors
 and DCP can reshard a checkpoint to another world size.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -29,12 +34,6 @@ def check_mesh(cfg: FinetuneConfig, world: int = 1) -> None:
     """Refuse, before the base is loaded, a mesh the method cannot run on (ValueError naming the key).
     `world`: the number of processes (torchrun's WORLD_SIZE)."""
     par = cfg.parallel
-    if world > 1 and cfg.model.base_quant != "none":
-        # the int8 / fp8 storage is a parametrization on each frozen weight: expert parallel cannot slice
-        # it (with its scales), tensor parallel cannot distribute a parametrized weight, and FSDP2's
-        # sharded checkpoint of such a model does not complete (ranks disagree in DCP's save)
-        raise ValueError(f"model.base_quant = {cfg.model.base_quant!r} with {world} processes: a quantised base "
-                         "runs in one process only; use model.base_quant = 'none' on the mesh")
     if cfg.method != "full" and par.pipeline_parallel > 1:
         raise ValueError(f"method = {cfg.method!r} with parallel.pipeline_parallel={par.pipeline_parallel}: "
                          "adapters are not pipelined; use data, expert or tensor parallel "
@@ -87,6 +86,13 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor] | None:
     return out if dist.is_main() else None
 
 
+def _unquantised_name(name: str) -> str:
+    """A trained tensor's name on an unquantised base: on a quantised one (glm5/finetune/quant_base.py) the
+    routed experts' `ExpertLoRA` follows the dequantisation in the parametrization chain
+    (`parametrizations.gate_up_proj.1.lora_A`), on the plain base it is the chain's first (`.0.`)."""
+    return re.sub(r"(\.parametrizations\.\w+)\.\d+\.(lora_[AB])$", r"\1.0.\2", name)
+
+
 def assemble(cfg: FinetuneConfig, config, tensors: dict[str, torch.Tensor], base: str) -> GLM5AdapterModel:
     """A meta-device model with the run's adapter structure (`cfg.method`, `cfg.lora` / `cfg.prefix`)
     holding `tensors` (from `gather_trainable`): what one process would have trained, ready for
@@ -100,6 +106,7 @@ def assemble(cfg: FinetuneConfig, config, tensors: dict[str, torch.Tensor], base
         else:
             raise ValueError(f"method = {cfg.method!r}: only adapters are assembled (full runs export the model)")
     shadow.name_or_path = base
+    tensors = {_unquantised_name(n): t for n, t in tensors.items()}
     want = {n: p for n, p in shadow.named_parameters() if p.requires_grad}
     if set(want) != set(tensors):
         odd = sorted(set(want) ^ set(tensors))

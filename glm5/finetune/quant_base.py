@@ -46,13 +46,27 @@ FP8_BLOCK = (128, 128)
 class Int8Weight(nn.Module):
     """Parametrization: int8 [..., N, K] -> q * scale [..., N] in `dtype` (glm5.infer.quant's format)."""
 
+    frozen_storage = True  # its scale is the base's: not in fine-tuning checkpoints (glm5/train/parallel_ckpt.py)
+
     def __init__(self, scale: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("scale", scale)
         self.dtype = dtype
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
-        return dequantize_weight(q, self.scale).to(self.dtype)
+        return self.dequant(q, self.scale)
+
+    def dequant(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_weight(q, scale).to(self.dtype)
+
+    def split(self, dim: int, lo: int, hi: int) -> Int8Weight:
+        """The parametrization of rows (dim -2) or columns (dim -1) [lo, hi) of the weight (tensor
+        parallel): a row's scale goes with it, the columns keep them all."""
+        return Int8Weight((self.scale[..., lo:hi] if dim == -2 else self.scale).clone(), self.dtype)
+
+    def select(self, lo: int, hi: int) -> Int8Weight:
+        """The parametrization of experts [lo, hi) of a fused [E, ...] weight (expert parallel)."""
+        return Int8Weight(self.scale[lo:hi].clone(), self.dtype)
 
     @staticmethod
     def quantize(w: torch.Tensor, parts: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,15 +81,37 @@ class FP8Weight(nn.Module):
     """Parametrization: fp8 e4m3 [..., N, K] with tile scales [..., P, R, C] (each of the P fused parts
     tiled on its own, as its on-disk tensor was) -> W in `dtype`."""
 
+    frozen_storage = True
+
     def __init__(self, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
         super().__init__()
         self.register_buffer("scale", scale)
         self.block, self.dtype = block, dtype
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return self.dequant(w, self.scale)
+
+    def dequant(self, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         *lead, n, k = w.shape
-        parts = w.view(*lead, self.scale.shape[-3], -1, k)  # [..., P, N/P, K]
-        return dequantize_fp8(parts, self.scale, self.block).view(w.shape).to(self.dtype)
+        parts = w.view(*lead, scale.shape[-3], -1, k)  # [..., P, N/P, K]
+        return dequantize_fp8(parts, scale, self.block).view(w.shape).to(self.dtype)
+
+    def split(self, dim: int, lo: int, hi: int) -> FP8Weight:
+        """The parametrization of rows (dim -2) or columns (dim -1) [lo, hi) of an unfused weight (tensor
+        parallel): their tiles' scales. Raises ValueError unless the slice starts on a tile edge."""
+        size = self.block[0 if dim == -2 else 1]
+        if self.scale.shape[-3] != 1:
+            raise ValueError("tensor parallel: a fused FP8 weight cannot be split")
+        if lo % size:
+            raise ValueError(f"{hi - lo} {'rows' if dim == -2 else 'columns'} per tensor-parallel rank do not "
+                             f"align with the FP8 block {list(self.block)}")
+        tiles = slice(lo // size, -(-hi // size))
+        scale = self.scale[..., tiles, :] if dim == -2 else self.scale[..., tiles]
+        return FP8Weight(scale.clone(), self.block, self.dtype)
+
+    def select(self, lo: int, hi: int) -> FP8Weight:
+        """The parametrization of experts [lo, hi) of a fused [E, ...] weight (expert parallel)."""
+        return FP8Weight(self.scale[lo:hi].clone(), self.block, self.dtype)
 
     @staticmethod
     def quantize(w: torch.Tensor, parts: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

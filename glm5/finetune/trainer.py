@@ -137,15 +137,23 @@ class FinetuneTrainer(Trainer):
         """Write the adapter (PEFT LoRA / latent prefix files, + the tokenizer) into `directory`
         atomically. Distributed: collective; the shards are gathered and rank 0 writes exactly what one
         process would."""
-        if self.distributed:
-            tensors = gather_trainable(self.model)
-            model = assemble(self.cfg, self.raw_model.config, tensors, self.base) if tensors is not None else None
-        else:
-            model = self.raw_model
-        if model is not None:
-            with atomic_dir(directory) as tmp:
-                self.write_model(model, tmp)
-                if tokenizer:
-                    self.tokenizer.save(tmp)
-        if self.distributed:
-            torch.distributed.barrier()
+        error = None
+        try:
+            if self.distributed:
+                tensors = gather_trainable(self.model)
+                model = assemble(self.cfg, self.raw_model.config, tensors, self.base) if tensors is not None else None
+            else:
+                model = self.raw_model
+            if model is not None:
+                with atomic_dir(directory) as tmp:
+                    self.write_model(model, tmp)
+                    if tokenizer:
+                        self.tokenizer.save(tmp)
+        except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+            error = e
+        # rank 0 alone assembles and writes: a failure there is raised on every rank, not left to hang the
+        # others in their next collective (it did: an adapter name assemble refused, then the exit save)
+        if self.distributed and dist.all_reduce_scalars([float(error is not None)], "max")[0] > 0:
+            raise error or RuntimeError(f"rank 0 could not write the adapter to {directory}")
+        if error is not None:
+            raise error

@@ -180,6 +180,15 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, mp: MixedPrecisionPolicy, o
         fully_shard(stage, mesh=data, mp_policy=mp)
 
 
+def _held_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """A quantised base's weights (glm5/finetune/quant_base.py, modules marked `frozen_storage`) are
+    dequantised to `dtype`: FSDP's mixed precision casts the parameters it gathers and the activations to
+    it, but the int8 / fp8 storage is dequantised after the gather, in the dtype it was given at load."""
+    for mod in model.modules():
+        if getattr(mod, "frozen_storage", False) and isinstance(getattr(mod, "dtype", None), torch.dtype):
+            mod.dtype = dtype
+
+
 def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto", *, dp: int = 0, tp: int = 1,
                    pp: int = 1, schedule: str = "1f1b", stages_per_rank: int = 1,
                    split: list[int] | tuple[int, ...] = ()) -> nn.Module:
@@ -192,6 +201,8 @@ def apply_parallel(model: nn.Module, ep: int = 1, dtype: str = "auto", *, dp: in
     plan = ParallelPlan(mesh, shape["dp"], ep, tp, pp)
     mp = mixed_precision_policy(mesh.device_type, dtype)
     plan.mixed_precision = mp.param_dtype is not None
+    if plan.mixed_precision:
+        _held_compute_dtype(model, mp.param_dtype)
     if stages is not None:
         mine = local_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank)
         prune_to_stages(model, stages, mine)

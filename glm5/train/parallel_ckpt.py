@@ -53,6 +53,16 @@ def trainable_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
+def frozen_names(model: nn.Module) -> set[str]:
+    """What a trainable-only checkpoint leaves out (the base checkpoint's): the frozen parameters and
+    the buffers of modules marked `frozen_storage` (a quantised base's scales, glm5/finetune/quant_base.py)."""
+    out = {n for n, p in model.named_parameters() if not p.requires_grad}
+    for name, mod in model.named_modules():
+        if getattr(mod, "frozen_storage", False):
+            out |= {f"{name}.{b}" if name else b for b, _ in mod.named_buffers()}
+    return out
+
+
 def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              trainable_only: bool = False) -> Path:
     """Collective: all ranks call it. Writes `path` (a directory) atomically; returns it. With
@@ -70,7 +80,7 @@ def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     else:
         state = {"model": get_model_state_dict(model)}
     if trainable_only:  # the trained parameters and the (small) buffers, e.g. the routers' correction bias
-        keep = trainable_names(model) | {n for n, _ in model.named_buffers()}
+        keep = (trainable_names(model) | {n for n, _ in model.named_buffers()}) - frozen_names(model)
         state["model"] = {k: v for k, v in state["model"].items() if k in keep}
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
@@ -114,10 +124,10 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
 
 
 def _saved_part(model_sd: dict, saved: set[str], model: nn.Module, path: Path) -> dict:
-    """The entries of `model_sd` the checkpoint holds; every missing one must be a frozen parameter (a
+    """The entries of `model_sd` the checkpoint holds; every missing one must be frozen (`frozen_names`: a
     trainable-only checkpoint), else CheckpointError naming it."""
     missing = [k for k in model_sd if f"model.{k}" not in saved]
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = frozen_names(model)
     lost = [k for k in missing if k not in frozen]
     if lost:
         raise CheckpointError(f"{path}: the checkpoint has no {lost[0]!r} (and {len(lost) - 1} more), which this "

@@ -28,15 +28,35 @@ from glm5.model.lora import EXPERT_PARAMS, ExpertLoRA
 from glm5.model.moe import Experts, MoE, grouped_swiglu
 
 
-def _expert_lora(experts: nn.Module, name: str) -> ExpertLoRA | None:
-    """The LoRA parametrization of `experts.<name>`, if any (glm5.model.lora.ExpertLoRA)."""
+def _expert_chain(experts: nn.Module, name: str) -> tuple[nn.Module | None, ExpertLoRA | None]:
+    """(frozen storage parametrization, LoRA parametrization) of `experts.<name>`, each None if absent:
+    a quantised base's dequantisation (marked `frozen_storage`, glm5/finetune/quant_base.py) first,
+    then one `ExpertLoRA` (glm5.model.lora); nothing else can be sharded."""
     if not parametrize.is_parametrized(experts, name):
-        return None
+        return None, None
     chain = list(experts.parametrizations[name])
-    if len(chain) != 1 or not isinstance(chain[0], ExpertLoRA):
-        raise ValueError(f"expert parallel: {name} carries parametrizations {[type(c).__name__ for c in chain]}; "
-                         "only one LoRA adapter (ExpertLoRA) can be sharded")
-    return chain[0]
+    quant = chain.pop(0) if getattr(chain[0], "frozen_storage", False) else None
+    if len(chain) > 1 or (chain and not isinstance(chain[0], ExpertLoRA)):
+        kinds = [type(c).__name__ for c in experts.parametrizations[name]]
+        raise ValueError(f"expert parallel: {name} carries parametrizations {kinds}; only a quantised base's "
+                         "storage and one LoRA adapter (ExpertLoRA) can be sharded")
+    return quant, (chain[0] if chain else None)
+
+
+class _LocalStorage(nn.Module):
+    """A quantised base's parametrization (`select`ed to this rank's experts) run on the local shard of
+    the [E, ...] storage DTensor: dequantised locally, returned as the same Shard(0) DTensor in the
+    compute dtype (its scales are plain local tensors: frozen, never all-gathered)."""
+
+    frozen_storage = True
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh):
+        super().__init__()
+        self.inner, self.mesh = inner, mesh
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        local = self.inner(w.to_local() if isinstance(w, DTensor) else w)
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -60,6 +80,9 @@ class EPExperts(nn.Module):
     source (`ExpertLoRA` parametrization, glm5/model/lora.py) stays adapted: its A [E, r, in] and
     B [E, out, r] are sharded the same way, so this rank trains only its experts' adapters, and the
     parameter names (`parametrizations.<name>.original`, `.0.lora_A`) are the single-process ones.
+    A quantised base (glm5/finetune/quant_base.py: int8 / fp8 storage read through a parametrization)
+    keeps its storage sharded the same way and this rank's experts' scales (`_LocalStorage`), ahead of
+    the LoRA in the chain (`.1.lora_A`, as in one process).
     """
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh):
@@ -73,10 +96,14 @@ class EPExperts(nn.Module):
         self.n_local = self.n_experts // self.ep_size
         lo, hi = self.ep_rank * self.n_local, (self.ep_rank + 1) * self.n_local
         for name in EXPERT_PARAMS:
-            adapter = _expert_lora(experts, name)
-            base = experts.parametrizations[name].original if adapter is not None else getattr(experts, name)
+            quant, adapter = _expert_chain(experts, name)
+            held = quant is not None or adapter is not None
+            base = experts.parametrizations[name].original if held else getattr(experts, name)
             local = base.detach()[lo:hi].clone()  # every rank holds identical full weights: no scatter needed
             setattr(self, name, nn.Parameter(self._shard(local), requires_grad=base.requires_grad))
+            if quant is not None:  # a quantised base: this rank's experts' int8 / fp8 storage and scales
+                parametrize.register_parametrization(self, name, _LocalStorage(quant.select(lo, hi), ep_mesh),
+                                                     unsafe=True)
             if adapter is not None:  # LoRA: this rank trains only its experts' A/B slices
                 parametrize.register_parametrization(self, name, self._local_adapter(adapter, lo, hi), unsafe=True)
 

@@ -16,6 +16,10 @@ blocks is replicated, every TP rank holds the whole [B, T, H] activation):
 - Embedding row-parallel (vocab-sharded, output all-reduced), LM head column-parallel with a
   vocab-parallel cross entropy (`loss_parallel`): the [T, V] logits are never gathered.
 
+- A quantised base (glm5/finetune/quant_base.py): a split weight's int8 / fp8 storage is split like the
+  plain weight with its scales (`_held_style`), and each rank dequantises its shard (`_TPStorage`); a
+  FP8 split that would cut a scale tile is refused naming the layer.
+
 Gradient rule that makes this exact: a replicated activation that feeds head-sharded computation gets
 a partial gradient on each rank and must be all-reduced exactly once. `ColwiseParallel` does this for
 its input (q_b_proj, MLP gate/up). The latent `c_kv` and the rope key `k_rope` reach the heads also
@@ -30,6 +34,8 @@ KL loss / warm-up (its target is the attention over all heads).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -37,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
+from torch.nn.utils import parametrize
 
 from glm5.model.attention import MLAttention
 from glm5.model.config import ModelConfig
@@ -209,6 +216,79 @@ class _ColwiseLoRALinear(LoRALinear):
         return (b @ a) * self.scaling
 
 
+class _TPStorage(nn.Module):
+    """A quantised base's weight under tensor parallel (glm5/finetune/quant_base.py): the int8 / fp8 storage
+    is this rank's rows (column-parallel, Shard(0)) or columns (row-parallel, Shard(1)) of the matrix,
+    `inner` the parametrization `split` to them (its scale a DTensor on the same split); the local shard is
+    dequantised here and returned as the DTensor the style expects."""
+
+    frozen_storage = True
+
+    def __init__(self, inner: nn.Module, mesh: DeviceMesh, placement: Shard):
+        super().__init__()
+        self.inner, self.mesh, self.placement = inner, mesh, placement
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        scale = self.inner.scale
+        local = self.inner.dequant(w.to_local(), scale.to_local() if isinstance(scale, DTensor) else scale)
+        return DTensor.from_local(local, self.mesh, [self.placement], run_check=False)
+
+
+def _shard_held(linear: nn.Linear, mesh: DeviceMesh, dim: int, name: str) -> None:
+    """Split a quantised weight's storage and scales on `dim` (0: rows, 1: columns) in place."""
+    chain = linear.parametrizations.weight
+    if len(chain) != 1 or not getattr(chain[0], "frozen_storage", False):
+        raise ValueError(f"tensor parallel: a weight with parametrizations {[type(c).__name__ for c in chain]} "
+                         "cannot be split")
+    q = chain.original
+    P, rank = mesh.size(), mesh.get_local_rank()
+    n = q.shape[dim] // P
+    lo = rank * n
+    try:  # every rank's slice, so that all ranks refuse together (FP8 tiles split across ranks)
+        inner = [chain[0].split(dim - 2, r * n, (r + 1) * n) for r in range(P)][rank]
+    except ValueError as e:
+        raise ValueError(f"parallel.tensor_parallel={P}: {name}: {e}") from None
+    local = q.detach().narrow(dim, lo, n).clone()
+    chain._parameters["original"] = nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], run_check=False),
+                                                 requires_grad=False)
+    scale = inner.scale  # int8 [N] split with the rows; fp8 tiles [1, R, C] split on theirs
+    on = (0 if scale.ndim == 1 else scale.ndim - 2) if dim == 0 else (None if scale.ndim == 1 else scale.ndim - 1)
+    inner.scale = DTensor.from_local(scale, mesh, [Replicate() if on is None else Shard(on)], run_check=False)
+    chain[0] = _TPStorage(inner, mesh, Shard(dim))
+
+
+def _held_style(style, linear: nn.Linear, name: str):
+    """`style` (column- or row-parallel) for a linear whose weight a quantised base holds: torch's
+    partition cannot take a parametrized weight, so its storage and scales are split here
+    (`_shard_held`) and the rest of the module (a bias) as the style would."""
+    rowwise = isinstance(style, RowwiseParallel)
+    out = copy.copy(style)
+
+    def partition(_, module, mesh):
+        if module is not linear:
+            return
+        _shard_held(module, mesh, 1 if rowwise else 0, name)
+        for key, p in list(module._parameters.items()):
+            if p is not None and not isinstance(p, DTensor):  # the bias
+                placement = Replicate() if rowwise else Shard(0)
+                module.register_parameter(key, nn.Parameter(DTensor.from_local(
+                    p.detach().chunk(mesh.size())[mesh.get_local_rank()].clone() if not rowwise else p.detach(),
+                    mesh, [placement], run_check=False), requires_grad=p.requires_grad))
+
+    out._partition_linear_fn = partition
+    return out
+
+
+def _held_styles(root: nn.Module, plan: dict) -> dict:
+    """`plan` with the styles of quantised linears replaced by `_held_style`."""
+    out = {}
+    for name, style in plan.items():
+        mod = root.get_submodule(name)
+        held = isinstance(mod, nn.Linear) and parametrize.is_parametrized(mod, "weight")
+        out[name] = _held_style(style, mod, getattr(mod, "_qualified_name", name)) if held else style
+    return out
+
+
 def _lora_styles(root: nn.Module, plan: dict, size: int) -> dict:
     """`plan` with every LoRALinear target split consistently with its base weight: the base layer takes
     the style; column-parallel base -> B [out, r] column-parallel too (sharded on out), A replicated;
@@ -230,7 +310,7 @@ def _lora_styles(root: nn.Module, plan: dict, size: int) -> dict:
             mod.__class__ = _ColwiseLoRALinear
             if isinstance(style, _ColwiseKeepPartial):
                 mod.lora_A.register_forward_pre_hook(lambda m, args: (_PartialGrad.apply(args[0], size),))
-    return out
+    return _held_styles(root, out)
 
 
 def check_lora_tp(model: nn.Module, tp: int) -> None:
@@ -275,6 +355,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Tensor-parallelise `model` (a GLM5ForCausalLM, after expert parallel) over `tp_mesh`, in place."""
     P = tp_mesh.size()
     check_tp(model.config, P)
+    for name, mod in model.named_modules():  # a quantised weight that cannot be split is refused by name
+        if isinstance(mod, nn.Linear) and parametrize.is_parametrized(mod, "weight"):
+            mod._qualified_name = name
     plan = {}  # a pipeline stage may lack the embedding or the head
     if hasattr(model.model, "embed_tokens"):
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
