@@ -115,8 +115,9 @@ class NativeSwiGLU(SwiGLU):
         return ops.swiglu(x, gw, uw, dw)
 
 
-# Int8 linear layers run the native int8 kernel for at most this many rows: it reads each weight row once per
-# input row (decode sizes); larger steps run the module's own int8 GEMM (glm5.infer.quant.int8_linear).
+# Int8 linear layers (and the whole-layer kernel on INT8 weights, below) run the native int8 kernel for at most
+# this many rows: it reads each weight row once per input row (decode sizes); larger steps run the modules'
+# own int8 GEMMs (glm5.infer.quant.int8_linear).
 INT8_MAX_ROWS = 8
 
 
@@ -281,9 +282,8 @@ LAYER_MAX_ROWS = 128
 # its own). One sequence's chunk, CPU time layer kernel / modules on the bench checkpoint: 0.50 at 1 query,
 # 0.62 at 2, 0.70 at 4, 0.71 at 8.
 LAYER_MAX_QUERIES = 8
-# ... and for layers with INT8 weights at most this many (their int8 kernel reads each weight row per input row:
-# a decode-sized kernel; larger steps run the modules' int8 GEMMs)
-INT8_MAX_ROWS = 8
+# ... and for layers with INT8 weights at most INT8_MAX_ROWS rows (above: the same int8 kernel as
+# NativeInt8Linear's)
 
 
 # The whole-layer kernel restates a decoder layer in C, so a model option it was not written for must not
