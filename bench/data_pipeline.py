@@ -10,7 +10,7 @@
    (`--run.executor`, a fresh output dir each): docs/s end to end (Ray's cluster start included, it is
    part of a run), per-phase walls, scaling 1 -> 2 workers, Ray / local wall at equal workers, and
    whether the outputs are byte-identical (data/, excluded/) across all of them.
-Run: `python bench/data_pipeline.py [--workers 2] [--executor local,ray --workers 1,2] [--out docs/bench-data.json]`
+Run: `python bench/data_pipeline.py [--workers 2] [--executor local,ray --workers 1,2 --rounds 3] [--out docs/bench-data.json]`
 (datatrove runs if it is importable, e.g. from a venv with `--system-site-packages`).
 """
 
@@ -57,27 +57,44 @@ def _digest(out: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def bench_executors(tmp: Path, executors: list[str], workers: list[int]) -> dict:
-    """The full run per (executor, workers); rows, scaling and Ray / local ratios."""
+def bench_executors(tmp: Path, executors: list[str], workers: list[int], rounds: int = 1) -> dict:
+    """The full run per (executor, workers), `rounds` times with the executors' order alternated (this
+    machine is shared and a single run varies by 20%); rows per run, then scaling and Ray / local ratios of
+    the per-configuration medians, and Ray / local per round (each pair ran back to back)."""
+    import statistics
+
     rows, outs = [], []
-    for w in workers:
-        for ex in executors:
-            stats, out = bench_pipeline(tmp, w, ex)
-            phases = round(sum(stats["wall_seconds"].values()), 2)  # without the executor's start and stop
-            rows.append({"executor": ex, "workers": w, "total_wall_s": stats["total_wall_s"], "phases_s": phases,
-                         "start_stop_s": round(stats["total_wall_s"] - phases, 2),
-                         "docs_per_s": round(stats["num_in"] / stats["total_wall_s"], 1),
-                         "wall_seconds": stats["wall_seconds"], "num_out": stats["num_out"], "digest": _digest(out)})
-            outs.append(out)
-    wall = {(r["executor"], r["workers"]): r["total_wall_s"] for r in rows}
-    phases = {(r["executor"], r["workers"]): r["phases_s"] for r in rows}
+    for r in range(rounds):
+        for w in workers:
+            for ex in (executors if r % 2 == 0 else executors[::-1]):
+                stats, out = bench_pipeline(tmp / f"round{r}", w, ex)
+                phases = round(sum(stats["wall_seconds"].values()), 2)  # without the executor's start and stop
+                rows.append({"round": r, "executor": ex, "workers": w, "total_wall_s": stats["total_wall_s"],
+                             "phases_s": phases, "start_stop_s": round(stats["total_wall_s"] - phases, 2),
+                             "docs_per_s": round(stats["num_in"] / stats["total_wall_s"], 1),
+                             "wall_seconds": stats["wall_seconds"], "num_out": stats["num_out"],
+                             "digest": _digest(out), "load_average": round(os.getloadavg()[0], 1)})
+                outs.append(out)
+
+    def median(key: str, ex: str, w: int) -> float:
+        return statistics.median(r[key] for r in rows if (r["executor"], r["workers"]) == (ex, w))
+
+    def ratios(key: str) -> dict:
+        return {w: round(median(key, "ray", w) / median(key, "local", w), 2) for w in workers
+                if {"ray", "local"} <= set(executors)}
+
+    def per_round(w: int) -> list[float]:
+        walls = {(r["round"], r["executor"]): r["total_wall_s"] for r in rows if r["workers"] == w}
+        return [round(walls[(i, "ray")] / walls[(i, "local")], 2) for i in range(rounds)]
+
     summary = {"identical_outputs": len({r["digest"] for r in rows}) == 1,
-               "scaling": {ex: round(wall[(ex, workers[0])] / wall[(ex, workers[-1])], 2) for ex in executors
-                           if len(workers) > 1},
-               "ray_over_local_wall": {w: round(wall[("ray", w)] / wall[("local", w)], 2) for w in workers
-                                       if ("ray", w) in wall and ("local", w) in wall},
-               "ray_over_local_phases": {w: round(phases[("ray", w)] / phases[("local", w)], 2) for w in workers
-                                         if ("ray", w) in phases and ("local", w) in phases}}
+               "median_wall_s": {f"{ex}/{w}": median("total_wall_s", ex, w) for w in workers for ex in executors},
+               "scaling": {ex: round(median("total_wall_s", ex, workers[0]) / median("total_wall_s", ex, workers[-1]), 2)
+                           for ex in executors if len(workers) > 1},
+               "ray_over_local_wall": ratios("total_wall_s"),
+               "ray_over_local_phases": ratios("phases_s"),
+               "ray_over_local_wall_per_round": {w: per_round(w) for w in workers
+                                                 if {"ray", "local"} <= set(executors)}}
     return {"rows": rows, **summary}, outs[0]
 
 
@@ -160,6 +177,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", default="0", help="pipeline workers (0 = all cores); with --executor: a list, 1,2")
     ap.add_argument("--executor", default=None, help="local, ray or local,ray: the executor rows (section 3)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --executor: runs per configuration, order alternated")
     ap.add_argument("--skip-minhash", action="store_true", help="only the pipeline rows")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
@@ -169,7 +187,7 @@ def main() -> int:
         results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                     f"load average {os.getloadavg()[0]:.1f} at start"}
         if args.executor:
-            results["executors"], clean = bench_executors(tmp, args.executor.split(","), workers)
+            results["executors"], clean = bench_executors(tmp, args.executor.split(","), workers, args.rounds)
         else:
             stats, clean = bench_pipeline(tmp, workers[0])
             results["pipeline"] = {k: stats[k] for k in ("num_in", "num_out", "total_wall_s", "wall_seconds",

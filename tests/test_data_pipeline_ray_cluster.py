@@ -81,6 +81,32 @@ def test_local_cluster_started_by_the_executor(tmp_path):
     assert not any(os.path.exists(f"/proc/{p}") for p in workers)  # the cluster's workers are gone
 
 
+def _wait_or_mark(marker, first):
+    """The first job waits (up to 60 s) for another to write `marker`; the others write it."""
+    if not first:
+        Path(marker).touch()
+        return os.getpid(), True
+    deadline = time.monotonic() + 60
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os.getpid(), os.path.exists(marker)
+
+
+@pytest.mark.slow
+def test_cluster_takes_jobs_while_the_driver_still_runs_one(tmp_path):
+    """A job the driver started while the local cluster came up does not hold the rest back: once the
+    cluster is up, the other jobs run on Ray while the driver's job is still running."""
+    marker = str(tmp_path / "ray-ran")
+    ex = RayExecutor(ExecutorConfig(executor="ray", num_workers=2))
+    try:
+        assert not ex.up.is_set()
+        out = ex.map(_wait_or_mark, [(marker, True)] + [(marker, False)] * 3, ["j"] * 4, "overlap")
+    finally:
+        ex.close()
+    assert out[0] == (os.getpid(), True)  # the driver's job saw a Ray job's marker before it ended
+    assert all(pid != os.getpid() for pid, _ in out[1:])
+
+
 @pytest.mark.slow
 def test_local_cluster_falls_back_to_ray_init_without_the_node_api(tmp_path, monkeypatch):
     """Where Ray's private node API is not there (another Ray release), the local cluster starts through

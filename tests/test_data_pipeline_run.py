@@ -138,3 +138,10 @@ def test_bundled_corpus_format():
     assert all(set(d) == {"id", "text", "source", "lang", "domain"} for d in first)
     total = sum(p.stat().st_size for p in CORPUS.parent.glob("*.gz"))
     assert total <= 25_000_000
+
+
+def test_passes_start_the_biggest_shards_first():
+    from glm5.data.pipeline.runner import largest_first
+
+    assert largest_first([0, 1, 2, 3, 4], [5, 9, 5, 1, 9]) == [1, 4, 0, 2, 3]
+    assert largest_first([2, 3], [5, 9, 5, 1]) == [2, 3]  # resumed: only the shards left to do

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import socket
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, Sequence
 
@@ -108,8 +109,9 @@ class RayExecutor:
     output directory, so on a multi-node cluster that directory must be on a shared filesystem.
 
     A local cluster (`ray_address` "") starts in a background thread (its daemons take seconds to come
-    up); until it is up, `map` runs jobs here in the driver, one at a time, as the local executor does with
-    one worker (same functions, same retries), then sends the rest to Ray. It is started without the
+    up); until it is up, `map` runs jobs here in the driver, one at a time in a thread, as the local
+    executor does with one worker (same functions, same retries); once it is up the rest go to Ray, the
+    driver's job in progress counting as one of the `num_workers` running until it ends. It is started without the
     autoscaler monitor (nothing to scale on one machine; stopping it also held `ray.shutdown` for a second)
     and without the log monitor (worker logs are not sent to the driver)."""
 
@@ -184,34 +186,64 @@ class RayExecutor:
     def map(self, fn, jobs, names, desc):
         ray = self.ray
         out: list = [None] * len(jobs)
-        pending: dict = {}
+        pending: dict = {}  # Ray task -> job index
         todo = list(enumerate(jobs))[::-1]
-        with tqdm(desc=desc, total=len(jobs), unit="job", disable=not self.progress) as bar:
-            while todo and self.local is not None and not self.up.is_set():  # the cluster is starting
-                i, job = todo.pop()
-                out[i] = _attempt(fn, job, names[i], self.cfg.max_retries)
+        here: Future | None = None  # a job the driver runs in its thread while the cluster starts
+        here_at = -1
+        with tqdm(desc=desc, total=len(jobs), unit="job", disable=not self.progress) as bar, \
+                ThreadPoolExecutor(1, thread_name_prefix="ray-driver-job") as driver:
+
+            def finish_here() -> None:
+                nonlocal here
+                out[here_at] = here.result()  # JobFailed after its retries
+                here = None
                 bar.update()
-            if not todo:
+
+            # Until the local cluster is up, the driver runs jobs one at a time in a thread, and the cluster
+            # takes the rest as soon as it is up, while the driver's job still runs (it holds one of the
+            # `num_workers` slots until it ends).
+            while self.local is not None and not self.up.is_set() and (todo or here is not None):
+                if here is None:
+                    here_at, job = todo.pop()
+                    here = driver.submit(_attempt, fn, job, names[here_at], self.cfg.max_retries)
+                wait([here], timeout=0.02)
+                if here.done():
+                    finish_here()
+            if not todo and here is None:
                 return out
-            self._connect()
-            limit = self.cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-            fn_ref = ray.put(fn)
-            while todo or pending:
-                while todo and len(pending) < limit:
-                    i, job = todo.pop()
-                    pending[self.task.options(name=names[i]).remote(fn_ref, job)] = i  # named in Ray's dashboard
-                done, _ = ray.wait(list(pending), num_returns=1)
-                i = pending.pop(done[0])
-                try:
-                    out[i] = ray.get(done[0])
-                except Exception as e:  # noqa: BLE001 (RayTaskError wraps the job's exception; WorkerCrashedError, ...)
-                    for ref in pending:
-                        ray.cancel(ref)
-                    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
-                    lines = str(cause).strip().splitlines() or [""]
-                    raise JobFailed(f"{names[i]} failed after {self.cfg.max_retries + 1} attempts: "
-                                    f"{type(cause).__name__}: {lines[-1]}") from e
-                bar.update()
+            try:
+                if todo:
+                    self._connect()
+                    limit = self.cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+                    fn_ref = ray.put(fn)
+                while todo or pending:
+                    if here is not None and here.done():
+                        finish_here()
+                    while todo and len(pending) + (here is not None) < limit:
+                        i, job = todo.pop()
+                        pending[self.task.options(name=names[i]).remote(fn_ref, job)] = i  # named in Ray's dashboard
+                    if not pending:
+                        wait([here])
+                        continue
+                    done, _ = ray.wait(list(pending), num_returns=1, timeout=0.02 if here is not None else None)
+                    if not done:
+                        continue
+                    i = pending.pop(done[0])
+                    try:
+                        out[i] = ray.get(done[0])
+                    except Exception as e:  # noqa: BLE001 (RayTaskError wraps the job's exception; WorkerCrashedError, ...)
+                        for ref in pending:
+                            ray.cancel(ref)
+                        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+                        lines = str(cause).strip().splitlines() or [""]
+                        raise JobFailed(f"{names[i]} failed after {self.cfg.max_retries + 1} attempts: "
+                                        f"{type(cause).__name__}: {lines[-1]}") from e
+                    bar.update()
+                if here is not None:
+                    finish_here()
+            finally:
+                if here is not None:
+                    wait([here])  # a failure elsewhere: the driver's job still ends before the error is raised
         return out
 
     def close(self) -> None:

@@ -59,7 +59,9 @@ def _run(cfg: DataConfig, out: Path, work: Path, executor: Executor) -> dict:
     num_shards = len(manifest["shards"])
     walls["shard_input"] = time.perf_counter() - t
     t = time.perf_counter()
-    todo = [i for i in range(num_shards) if not (work / "local" / f"{i:05d}" / "stats.json").is_file()]
+    sizes = [(work / "shards" / s["path"]).stat().st_size for s in manifest["shards"]]
+    todo = largest_first([i for i in range(num_shards) if not (work / "local" / f"{i:05d}" / "stats.json").is_file()],
+                         sizes)
     executor.map(stages.local_shard, [(cfg, work / "shards" / manifest["shards"][i]["path"],
                                        work / "local" / f"{i:05d}") for i in todo],
                  [f"local pass shard {i:05d}" for i in todo], "local pass")
@@ -71,13 +73,20 @@ def _run(cfg: DataConfig, out: Path, work: Path, executor: Executor) -> dict:
     quality_path = _quality_phase(cfg, out, num_shards, removed, executor)
     walls["quality_train"] = time.perf_counter() - t
     t = time.perf_counter()
-    todo = [i for i in range(num_shards) if not (work / "final" / f"{i:05d}.json").is_file()]
+    todo = largest_first([i for i in range(num_shards) if not (work / "final" / f"{i:05d}.json").is_file()], sizes)
     executor.map(stages.final_shard, [(cfg, i, work / "local" / f"{i:05d}", removed.get(i, {}), quality_path, out)
                                       for i in todo], [f"final pass shard {i:05d}" for i in todo], "final pass")
     walls["final_pass"] = time.perf_counter() - t
     stats = aggregate(out, num_shards, manifest["num_docs"], walls)
     atomic_write_json(out / "stats.json", stats)
     return stats
+
+
+def largest_first(shards: list[int], sizes: list[int]) -> list[int]:
+    """The shards to run, biggest input first (ties in shard order): the long jobs start first, so the
+    pass does not end on one worker running a big shard while the others idle. Each job writes its own
+    outputs, so the order changes no byte of them."""
+    return sorted(shards, key=lambda i: (-sizes[i], i))
 
 
 def _remove_stale_temps(out: Path) -> None:
