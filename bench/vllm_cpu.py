@@ -75,7 +75,7 @@ def checkpoints(d: str, arch: str) -> tuple[str, str]:
     return (f"{d}/glm5", f"{d}/dsv3") if arch == "deepseek_v3" else (f"{d}/{arch}", f"{d}/{arch}")
 
 
-def run_glm5(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
+def run_glm5(d: str, threads: int = 1, arch: str = "deepseek_v3", gemm: str = "auto") -> None:
     import torch
 
     from glm5.infer.config import EngineConfig
@@ -84,7 +84,8 @@ def run_glm5(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
     from glm5.infer.sampling import SamplingParams
     torch.set_num_threads(threads)
     tune_malloc()  # as `glm5 serve` does (vLLM's CPU backend preloads tcmalloc where it ships one)
-    opts = dict(model=checkpoints(d, arch)[0], device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048)
+    opts = dict(model=checkpoints(d, arch)[0], device="cpu", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048,
+                gemm=gemm)
 
     engine = LLMEngine(EngineConfig(**opts))  # built once and reused, as vLLM's `LLM` (a warm cache and pool)
     calls = iter(range(1 << 30))
@@ -99,7 +100,7 @@ def run_glm5(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         return time.perf_counter() - t, [done[rid] for rid in ids]
 
-    report("glm5", d, gen, threads, arch)
+    report("glm5" if gemm == "auto" else f"glm5-gemm-{gemm}", d, gen, threads, arch)
 
 
 def run_vllm(d: str, threads: int = 1, arch: str = "deepseek_v3") -> None:
@@ -133,7 +134,7 @@ def report(name: str, d: str, gen, threads: int, arch: str = "deepseek_v3") -> N
            "decode_runs": rates, "load_avg": os.getloadavg()}
     with open(f"{d}/{name}_{arch}_outputs.json", "w") as f:
         json.dump(outs, f)
-    other = f"{d}/{'vllm' if name == 'glm5' else 'glm5'}_{arch}_outputs.json"
+    other = f"{d}/{'vllm' if name.startswith('glm5') else 'glm5'}_{arch}_outputs.json"
     if os.path.exists(other):
         with open(other) as f:
             res["identical_outputs_vs_other"] = sum(a == b for a, b in zip(outs, json.load(f)))
@@ -147,8 +148,10 @@ if __name__ == "__main__":
     p.add_argument("--threads", type=int, default=1, help="glm5's torch threads / the cores vLLM's worker binds")
     p.add_argument("--arch", choices=["deepseek_v3", "glm4_moe"], default="deepseek_v3",
                    help="deepseek_v3: the MLA export (indexer dropped); glm4_moe: a GLM-4.5-style GQA checkpoint")
+    p.add_argument("--gemm", choices=["auto", "onednn", "torch"], default="auto",
+                   help="glm5's EngineConfig.gemm (prefill-sized GEMMs on oneDNN or torch's mm)")
     a = p.parse_args()
     if a.what == "export":
         export(a.dir, a.arch)
     else:
-        {"glm5": run_glm5, "vllm": run_vllm}[a.what](a.dir, a.threads, a.arch)
+        run_glm5(a.dir, a.threads, a.arch, a.gemm) if a.what == "glm5" else run_vllm(a.dir, a.threads, a.arch)

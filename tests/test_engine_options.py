@@ -1,5 +1,6 @@
 """Every model option is served: for each preset shape and routing/attention option, with plain fp32 (native
-kernels with the whole-layer kernel where a compiler builds them; the per-function kernels alone), INT8 and
+kernels with the whole-layer kernel where a compiler builds them; the per-function kernels alone; prefill
+steps on oneDNN GEMMs), INT8 and
 expert offload, the engine's greedy output (continuous batching, chunked prefill, prefix-cache
 hits) equals the model's own full-recompute greedy (`generate_greedy`) with the same modules."""
 
@@ -34,7 +35,7 @@ OPTIONS = {
     "window-global": dict(sparse_attention="window", window_size=4, window_global_every=5,
                           window_routed_blocks=1, window_block_size=4),
 }
-MODES = ["fp32", "fp32-ops", "int8", "offload"]
+MODES = ["fp32", "fp32-ops", "fp32-onednn", "int8", "offload"]
 
 
 def run(engine: LLMEngine, prompts) -> list[list[int]]:
@@ -65,6 +66,10 @@ def test_engine_greedy_equals_model_greedy(option, mode, tmp_path):
     elif mode == "fp32-ops":  # the per-function native kernels alone (no whole-layer kernel), on a copy
         reference = model
         engine = LLMEngine(EngineConfig(**opts, native_layer_kernel=False), model=copy.deepcopy(model))
+    elif mode == "fp32-onednn":  # prefill-sized steps (24 rows) on oneDNN GEMMs over prepacked weights
+        reference = model
+        engine = LLMEngine(EngineConfig(**{**opts, "max_num_batched_tokens": 24}, gemm="onednn"),
+                           model=copy.deepcopy(model))
     else:
         reference = model
         engine = LLMEngine(EngineConfig(**opts), model=model)

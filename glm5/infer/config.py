@@ -46,6 +46,11 @@ class EngineConfig:
     # one C call per decoder layer for decode-sized MLA steps); False = the per-function kernels only
     # (about half the batch-1 decode speed on `small`: docs/bench-engine.md, "Per-function vs whole-layer")
     native_layer_kernel: bool = True
+    # GEMMs of prefill-sized steps (ONEDNN_MIN_ROWS rows or more) in the native kernels' linear layers and
+    # routed experts, fp32 on CPU: "onednn" = oneDNN over weights prepacked at build (a second copy of those
+    # weights in memory; 2.0-2.4x MKL's `mm` on an AVX-512 AMD CPU, glm5/infer/onednn.py); "torch" = `mm`;
+    # "auto" = onednn where the native kernels run and a build-time check measures it faster on this CPU
+    gemm: Literal["auto", "onednn", "torch"] = "auto"
     huge_pages: bool = True  # CPU: weights on transparent huge pages where Linux offers them (glm5/infer/hugepages.py)
     speculative_num_tokens: int = 0  # MTP draft tokens per step (0 = off)
     # prompt lookup on top of the MTP drafts (glm5/infer/mtp.py): where the request's last n tokens

@@ -34,7 +34,8 @@ from .experts import expert_stats
 from .faults import FaultTracker, NonFiniteOutput, is_fatal, run_each
 from .hot_swap import ExpertVersions
 from .hugepages import rehome
-from .kernels import use_native_kernels
+from . import onednn
+from .kernels import use_native_kernels, use_onednn
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .layout import transpose_weights
 from .lora import LoRAManager
@@ -152,7 +153,20 @@ class LLMEngine:
             use_native_kernels(model, self.kernels, c.native_layer_kernel)  # module swaps: the backend is chosen here, once
         if c.huge_pages and torch.device(c.device).type == "cpu":
             rehome(model)  # after the layout change: the tensors served are the ones moved
+        if self._onednn(model):
+            use_onednn(model)  # after rehome: the packs read the weights where they are served
         return model
+
+    def _onednn(self, model: GLM5ForCausalLM) -> bool:
+        """`gemm`: whether prefill-sized GEMMs run on oneDNN (glm5/infer/onednn.py); only under the native
+        kernels, whose modules carry the packed weights."""
+        c = self.config
+        if c.gemm == "torch" or (c.gemm == "auto" and self.kernels is None):
+            return False
+        if c.gemm == "onednn" and (self.kernels is None or not onednn.available()):
+            raise ValueError("gemm='onednn' needs the native CPU kernels (kernels='auto' or 'native' on CPU) and a "
+                             "PyTorch build with oneDNN - use gemm='auto' or 'torch'")
+        return c.gemm == "onednn" or onednn.onednn_pays(model.config.hidden_size)
 
     def _native_kernels(self) -> NativeKernels | None:
         """`kernels`: the native CPU kernels (glm5/native, typed ops `torch.ops.glm5_native.*`), swapped into

@@ -25,18 +25,20 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from glm5.model.attention import MLAttention, _rows
 from glm5.model.gqa_attention import GQAttention
 from glm5.model.layers import RMSNorm, SwiGLU
 from glm5.model.model import DecoderLayer, MTPLayer
-from glm5.model.moe import LOOP_MIN_ROWS_PER_EXPERT, Experts, MoE, Router
+from glm5.model.moe import LOOP_MIN_ROWS_PER_EXPERT, Experts, MoE, Router, expert_loop, swiglu
 from glm5.model.paged import AttnGroup, PagedContext
 from glm5.native import LayerSpec, NativeKernels, key_table, rows_stride
 from glm5.native.ops import ops
 
 from .layout import is_transposed
+from .onednn import ONEDNN_MIN_ROWS, OneDNNWeight
 from .quant import Int8Experts, Int8Linear
 
 
@@ -50,14 +52,27 @@ class NativeExperts(Experts):
     for steps below `LOOP_MIN_ROWS_PER_EXPERT` assignments per expert (decode, small batches); larger steps
     take the module's own per-expert BLAS loop, which is faster there."""
 
+    onednn: tuple[list[OneDNNWeight], list[OneDNNWeight]] | None = None  # per expert: gate_up, down
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                 keep: torch.Tensor | None = None, static_shapes: bool = False) -> torch.Tensor:
         gu, dn = self.gate_up_proj, self.down_proj
-        if (not _cpu_f32(x) or (idx.numel() >= LOOP_MIN_ROWS_PER_EXPERT * self.n_experts and not static_shapes)
-                or gu.dtype != torch.float32 or not (is_transposed(gu) and is_transposed(dn))):
+        loop = idx.numel() >= LOOP_MIN_ROWS_PER_EXPERT * self.n_experts and not static_shapes
+        if loop and self.onednn is not None and _cpu_f32(x):  # the model's per-expert loop on oneDNN GEMMs
+            gus, dns = self.onednn
+            return expert_loop(x, idx, weights, keep, self.n_experts,
+                               lambda e, xs: _swiglu_rows(gus[e].linear(xs), dns[e]) if len(xs) >= ONEDNN_MIN_ROWS
+                               else swiglu(xs, gu[e], dn[e]))
+        if (not _cpu_f32(x) or loop or gu.dtype != torch.float32 or not (is_transposed(gu) and is_transposed(dn))):
             return super().forward(x, idx, weights, keep, static_shapes)
         w = weights if keep is None else weights * keep
         return ops.moe(x.contiguous(), idx, w, gu, dn)
+
+
+def _swiglu_rows(gate_up: torch.Tensor, down: OneDNNWeight) -> torch.Tensor:
+    """The rest of `moe.swiglu` after its gate/up product: SiLU(gate) x up, then the down projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return down.linear(F.silu(gate) * up)
 
 
 class NativeRMSNorm(RMSNorm):
@@ -82,13 +97,19 @@ LINEAR_MAX_BYTES = 4 << 20
 
 class NativeLinear(nn.Linear):
     """`nn.Linear` whose no-grad fp32 CPU forward on a few rows (decode) runs the native linear kernel over
-    the [in, out]-stored weight; everything else (more rows, other layouts, autograd) is `F.linear`."""
+    the [in, out]-stored weight, and on ONEDNN_MIN_ROWS rows or more oneDNN's GEMM over a prepacked copy when
+    the engine packed one (`use_onednn`); everything else (other layouts, autograd) is `F.linear`."""
+
+    onednn: OneDNNWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (not _cpu_f32(x) or w.dtype != torch.float32 or not 0 < x.numel() <= LINEAR_MAX_ROWS * w.shape[1]
-                or w.stride() != (1, w.shape[0]) or type(w) is not nn.Parameter or w.numel() * 4 > LINEAR_MAX_BYTES
-                or rows_stride(x) is None):
+        if not _cpu_f32(x) or w.dtype != torch.float32 or type(w) is not nn.Parameter:
+            return super().forward(x)
+        if self.onednn is not None and x.numel() >= ONEDNN_MIN_ROWS * w.shape[1]:
+            return self.onednn.linear(x, self.bias)
+        if (not 0 < x.numel() <= LINEAR_MAX_ROWS * w.shape[1] or w.stride() != (1, w.shape[0])
+                or w.numel() * 4 > LINEAR_MAX_BYTES or rows_stride(x) is None):
             return super().forward(x)
         return ops.linear(x, w, self.bias)
 
@@ -138,6 +159,12 @@ class NativeInt8Linear(Int8Linear):
         return ops.linear_int8(x, w, self.scale, self.bias)
 
 
+# NativeRouter runs the kernel for at most this many rows: its logits loop is a GEMV per row. Measured on the
+# glm4_moe bench checkpoint's router (64 experts, 384 wide, 1 thread, 2026-12-07), kernel / module time:
+# 0.76 at 1 row, 1.04 at 8, 1.6 at 64, 1.9 at 256, 1.3 at 2,048.
+ROUTE_MAX_ROWS = 8
+
+
 class NativeRouter(Router):
     """`Router` whose no-grad fp32 CPU forward is one kernel call (logits, sigmoid / softmax scores, the
     correction bias for the choice, group-limited top-k, weights renormalised and scaled) instead of ~15
@@ -145,7 +172,8 @@ class NativeRouter(Router):
 
     def forward(self, x: torch.Tensor):
         cfg, w, b = self.cfg, self.weight, self.e_score_correction_bias
-        if (not _cpu_f32(x) or rows_stride(x) is None or cfg.scoring_func not in ("sigmoid", "softmax")
+        if (not _cpu_f32(x) or x.numel() > ROUTE_MAX_ROWS * x.shape[-1] or rows_stride(x) is None
+                or cfg.scoring_func not in ("sigmoid", "softmax")
                 or self.n_experts > 1024 or type(w) is not nn.Parameter or w.dtype != torch.float32
                 or not w.is_contiguous() or b.dtype != torch.float32 or not b.is_contiguous()):
             return super().forward(x)
@@ -270,6 +298,23 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels, layer_kernel: b
                 cls = NativeDecoderLayer if type(child) is DecoderLayer else NativeMTPLayer
                 setattr(parent, name, _swapped(cls, child, layer_kernel=shared))
                 n += 1
+    return n
+
+
+def use_onednn(model: nn.Module) -> int:
+    """Give every fp32 `NativeLinear` and `NativeExperts` of a swapped model oneDNN copies of its weights
+    (glm5/infer/onednn.py) for prefill-sized steps; returns how many modules got them. Run after the last
+    change of where the weights live (`rehome`): the packs read the Parameters as they are served."""
+    n = 0
+    for m in model.modules():
+        if type(m) is NativeLinear and m.weight.dtype == torch.float32:
+            m.onednn = OneDNNWeight(m.weight)
+        elif type(m) is NativeExperts and m.gate_up_proj.dtype == torch.float32:
+            m.onednn = ([OneDNNWeight(m.gate_up_proj, e) for e in range(m.n_experts)],
+                        [OneDNNWeight(m.down_proj, e) for e in range(m.n_experts)])
+        else:
+            continue
+        n += 1
     return n
 
 

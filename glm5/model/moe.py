@@ -95,7 +95,7 @@ class Experts(nn.Module):
                 return expert_loop(x, idx, weights, keep, self.n_experts, lambda e, xs: swiglu(xs, gu[e], dn[e]))
             return grouped_experts(x, idx, weights, keep, gu, dn)
         order, token, counts = sort_by_expert(idx, self.n_experts, keep)
-        xs = x[token]  # [M, H]
+        xs = x.index_select(0, token)  # [M, H] (index_select: several times faster than x[token] on CPU)
         ys = grouped_swiglu(xs, self.gate_up_proj, self.down_proj, counts)  # [M, H]
         ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
         # accumulate in the experts' output dtype (bf16 under autocast while x may be fp32)
@@ -166,15 +166,15 @@ def expert_loop(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, keep,
             out += ffn(e, x) * w[a]  # w[a] came from fp32: the product is the one the sorted path forms
         return out
     order, token, counts = sort_by_expert(idx, n_experts, keep)
-    xs = x[token]  # [M, H]
-    outs, start = [], 0
+    xs = x.index_select(0, token)  # [M, H]
+    w = weights.reshape(-1)[order, None]  # [M, 1]
+    out, start = torch.zeros_like(x), 0
     for e, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(ffn(e, xs[start:start + n]))
+        if n:  # each expert's rows added as they come: the sum runs in expert order, as one add of all would
+            ys = ffn(e, xs[start:start + n])
+            out.index_add_(0, token[start:start + n], ys * w[start:start + n].to(ys.dtype))
             start += n
-    ys = torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
-    ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    return out
 
 
 @torch.library.custom_op("glm5::grouped_mm", mutates_args=())
