@@ -13,10 +13,10 @@ from glm5.infer.config import EngineConfig
 from glm5.infer.engine import LLMEngine
 from glm5.infer.kernels import NativeExperts, NativeLinear, _swapped, use_onednn
 from glm5.infer.layout import transpose_weights
-from glm5.infer.sampling import SamplingParams
 from glm5.model.moe import Experts
 
 from ._tiny import tiny_config, tiny_model
+from .test_engine_options import run
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not onednn.available(), reason="this PyTorch build has no oneDNN")]
@@ -64,16 +64,6 @@ def test_experts_loop_on_onednn_equals_the_model_experts():
         assert torch.allclose(fast(x, idx, w), Experts.forward(ref, x, idx, w), atol=1e-5)
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), prompt_token_ids=p, params=sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 OPTS = dict(device="cpu", num_blocks=64, block_size=4, max_model_len=64)
 PROMPTS = [list(range(3, 33)), list(range(40, 60)), [7, 8, 9]]
 
@@ -84,7 +74,7 @@ def test_engine_chooses_once_and_refuses_what_cannot_run():
     plain = LLMEngine(EngineConfig(**OPTS, gemm="torch"), model=copy.deepcopy(model))
     assert any(getattr(m, "onednn", None) is not None for m in packed.model.modules())
     assert all(getattr(m, "onednn", None) is None for m in plain.model.modules())
-    assert _greedy(packed, PROMPTS) == _greedy(plain, PROMPTS)
+    assert run(packed, PROMPTS) == run(plain, PROMPTS)
     with pytest.raises(ValueError, match="gemm='onednn' needs the native CPU kernels"):
         LLMEngine(EngineConfig(**OPTS, gemm="onednn", kernels="torch"), model=copy.deepcopy(model))
 
@@ -99,10 +89,10 @@ def test_hot_swap_reaches_the_packed_experts():
               for e in range(model.config.n_routed_experts)
               for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
     engine = LLMEngine(EngineConfig(**OPTS, gemm="onednn"), model=copy.deepcopy(model))
-    before = _greedy(engine, PROMPTS)
+    before = run(engine, PROMPTS)
     assert engine.swap_experts(update) == 1  # the new model version
     swapped = copy.deepcopy(model)
     fresh = LLMEngine(EngineConfig(**OPTS, gemm="torch"), model=swapped)
     assert fresh.swap_experts(update) == 1
-    after = _greedy(engine, PROMPTS)
-    assert after == _greedy(fresh, PROMPTS) and after != before
+    after = run(engine, PROMPTS)
+    assert after == run(fresh, PROMPTS) and after != before
