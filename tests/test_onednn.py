@@ -96,3 +96,23 @@ def test_hot_swap_reaches_the_packed_experts():
     assert fresh.swap_experts(update) == 1
     after = run(engine, PROMPTS)
     assert after == run(fresh, PROMPTS) and after != before
+
+
+def test_auto_packs_only_where_it_pays_and_fits(monkeypatch):
+    """gemm='auto': no packs where the build-time check finds oneDNN no faster, nor where the second copy
+    would take more than half the free memory; packs otherwise."""
+    from glm5.infer import engine as engine_module
+
+    model = tiny_model(seed=5)
+
+    def packs() -> bool:
+        e = LLMEngine(EngineConfig(**OPTS, gemm="auto"), model=copy.deepcopy(model))
+        return any(getattr(x, "onednn", None) is not None for x in e.model.modules())
+
+    monkeypatch.setattr(onednn, "onednn_pays", lambda hidden: True)
+    assert packs()
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 1 << 10)
+    assert not packs()
+    monkeypatch.undo()
+    monkeypatch.setattr(onednn, "onednn_pays", lambda hidden: False)
+    assert not packs()

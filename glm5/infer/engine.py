@@ -35,7 +35,7 @@ from .faults import FaultTracker, NonFiniteOutput, is_fatal, run_each
 from .hot_swap import ExpertVersions
 from .hugepages import rehome
 from . import onednn
-from .kernels import use_native_kernels, use_onednn
+from .kernels import packable_bytes, use_native_kernels, use_onednn
 from .kv_cache import available_memory_bytes, num_blocks_for_budget
 from .layout import transpose_weights
 from .lora import LoRAManager
@@ -166,7 +166,13 @@ class LLMEngine:
         if c.gemm == "onednn" and (self.kernels is None or not onednn.available()):
             raise ValueError("gemm='onednn' needs the native CPU kernels (kernels='auto' or 'native' on CPU) and a "
                              "PyTorch build with oneDNN - use gemm='auto' or 'torch'")
-        return c.gemm == "onednn" or onednn.onednn_pays(model.config.hidden_size)
+        if c.gemm == "onednn":
+            return True
+        packed = packable_bytes(model)
+        if packed > available_memory_bytes() // 2:  # the packs are a second copy of those weights
+            log.info("gemm='auto': no oneDNN packs (%.1f GB of weights, more than half the free memory)", packed / 1e9)
+            return False
+        return onednn.onednn_pays(model.config.hidden_size)
 
     def _native_kernels(self) -> NativeKernels | None:
         """`kernels`: the native CPU kernels (glm5/native, typed ops `torch.ops.glm5_native.*`), swapped into

@@ -301,20 +301,32 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels, layer_kernel: b
     return n
 
 
+def _packable(m: nn.Module) -> list[torch.Tensor]:
+    """The fp32 weights `use_onednn` packs for module m (none for other modules)."""
+    if type(m) is NativeLinear and m.weight.dtype == torch.float32:
+        return [m.weight]
+    if type(m) is NativeExperts and m.gate_up_proj.dtype == torch.float32:
+        return [m.gate_up_proj, m.down_proj]
+    return []
+
+
+def packable_bytes(model: nn.Module) -> int:
+    """Bytes of the weights `use_onednn` would copy."""
+    return sum(w.numel() * w.element_size() for m in model.modules() for w in _packable(m))
+
+
 def use_onednn(model: nn.Module) -> int:
     """Give every fp32 `NativeLinear` and `NativeExperts` of a swapped model oneDNN copies of its weights
     (glm5/infer/onednn.py) for prefill-sized steps; returns how many modules got them. Run after the last
     change of where the weights live (`rehome`): the packs read the Parameters as they are served."""
     n = 0
     for m in model.modules():
-        if type(m) is NativeLinear and m.weight.dtype == torch.float32:
-            m.onednn = OneDNNWeight(m.weight)
-        elif type(m) is NativeExperts and m.gate_up_proj.dtype == torch.float32:
-            m.onednn = ([OneDNNWeight(m.gate_up_proj, e) for e in range(m.n_experts)],
-                        [OneDNNWeight(m.down_proj, e) for e in range(m.n_experts)])
-        else:
-            continue
-        n += 1
+        weights = _packable(m)
+        if len(weights) == 1:
+            m.onednn = OneDNNWeight(weights[0])
+        elif weights:
+            m.onednn = tuple([OneDNNWeight(w, e) for e in range(m.n_experts)] for w in weights)
+        n += bool(weights)
     return n
 
 

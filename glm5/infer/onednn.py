@@ -78,11 +78,12 @@ def _seconds(fn, reps: int = 5) -> float:
 
 
 def onednn_pays(hidden: int) -> bool:
-    """Whether oneDNN's GEMM beats `mm` here by AUTO_MIN_SPEEDUP on a [PACK_ROWS, hidden] x [hidden, hidden]
-    product (best of 5 each, a few milliseconds in all)."""
+    """Whether oneDNN's GEMM beats `mm` here by AUTO_MIN_SPEEDUP on a [PACK_ROWS, k] x [k, k] product,
+    k = min(hidden, 1024) (best of 5 each: a few milliseconds to ~0.1 s in all)."""
     if not available():
         return False
-    x, w = torch.randn(PACK_ROWS, hidden), torch.randn(hidden, hidden)
+    k = min(hidden, 1024)
+    x, w = torch.randn(PACK_ROWS, k), torch.randn(k, k)
     try:
         packed = OneDNNWeight(w)
     except RuntimeError:  # a PyTorch build whose oneDNN cannot run this
