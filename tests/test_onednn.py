@@ -43,6 +43,14 @@ def test_packed_linear_equals_linear_and_follows_in_place_writes(bias):
     assert torch.allclose(got[..., 5], x @ torch.full((48,), 0.25) + (fast.bias[5] if bias else 0), atol=1e-5)
 
 
+def test_weights_made_under_inference_mode_are_not_packed():
+    """They keep no version counter, so a pack could not follow an in-place write: they stay on `mm`."""
+    with torch.inference_mode():
+        lin = torch.nn.Linear(48, 40)
+    transpose_weights(lin)
+    assert use_onednn(_swapped(NativeLinear, lin)) == 0
+
+
 def test_experts_loop_on_onednn_equals_the_model_experts():
     """The routed experts' BLAS loop (prefill-sized steps) on packed weights: the model module's output,
     also after one expert's weights are rewritten in place."""

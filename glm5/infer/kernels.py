@@ -302,12 +302,25 @@ def use_native_kernels(model: nn.Module, kernels: NativeKernels, layer_kernel: b
 
 
 def _packable(m: nn.Module) -> list[torch.Tensor]:
-    """The fp32 weights `use_onednn` packs for module m (none for other modules)."""
-    if type(m) is NativeLinear and m.weight.dtype == torch.float32:
-        return [m.weight]
-    if type(m) is NativeExperts and m.gate_up_proj.dtype == torch.float32:
-        return [m.gate_up_proj, m.down_proj]
-    return []
+    """The fp32 weights `use_onednn` packs for module m (none for other modules, nor for weights made under
+    `torch.inference_mode`: they keep no version counter, so a pack could not see a later in-place write)."""
+    if type(m) is NativeLinear:
+        weights = [m.weight]
+    elif type(m) is NativeExperts:
+        weights = [m.gate_up_proj, m.down_proj]
+    else:
+        return []
+    return weights if all(w.dtype == torch.float32 and _tracks_versions(w) for w in weights) else []
+
+
+def _tracks_versions(w: torch.Tensor) -> bool:
+    """Whether w has a version counter (not so for tensors made under inference mode, even after a `.data`
+    swap outside it, where `is_inference()` says False)."""
+    try:
+        w._version
+    except RuntimeError:
+        return False
+    return True
 
 
 def packable_bytes(model: nn.Module) -> int:
