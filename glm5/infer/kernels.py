@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm5.model.attention import MLAttention, _rows
@@ -61,18 +60,12 @@ class NativeExperts(Experts):
         if loop and self.onednn is not None and _cpu_f32(x):  # the model's per-expert loop on oneDNN GEMMs
             gus, dns = self.onednn
             return expert_loop(x, idx, weights, keep, self.n_experts,
-                               lambda e, xs: _swiglu_rows(gus[e].linear(xs), dns[e]) if len(xs) >= ONEDNN_MIN_ROWS
+                               lambda e, xs: swiglu(xs, gus[e], dns[e], OneDNNWeight.apply) if len(xs) >= ONEDNN_MIN_ROWS
                                else swiglu(xs, gu[e], dn[e]))
         if (not _cpu_f32(x) or loop or gu.dtype != torch.float32 or not (is_transposed(gu) and is_transposed(dn))):
             return super().forward(x, idx, weights, keep, static_shapes)
         w = weights if keep is None else weights * keep
         return ops.moe(x.contiguous(), idx, w, gu, dn)
-
-
-def _swiglu_rows(gate_up: torch.Tensor, down: OneDNNWeight) -> torch.Tensor:
-    """The rest of `moe.swiglu` after its gate/up product: SiLU(gate) x up, then the down projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return down.linear(F.silu(gate) * up)
 
 
 class NativeRMSNorm(RMSNorm):

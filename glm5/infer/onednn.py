@@ -58,6 +58,12 @@ class OneDNNWeight:
         return y[:m].view(*x.shape[:-1], y.shape[-1])
 
 
+    @staticmethod
+    def apply(x: torch.Tensor, weight: OneDNNWeight) -> torch.Tensor:
+        """`F.linear`'s argument order (for `moe.swiglu`'s `linear`)."""
+        return weight.linear(x)
+
+
 def padded_rows(m: int) -> int:
     """Row counts rounded up to a bucket (16 up to 512, 64 up to 2,048, then 256): oneDNN creates a GEMM
     primitive for every new shape, 0.5 ms each here (measured: 383 new row counts 275 ms, the same again

@@ -109,10 +109,11 @@ class Experts(nn.Module):
         return torch.einsum("enh,ne->nh", y, probs.to(y.dtype))
 
 
-def swiglu(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert on rows xs [n, H]: gate_up [2I, H] (gate rows first), down [H, I] -> [n, H]."""
-    gate, up = F.linear(xs, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def swiglu(xs: torch.Tensor, gate_up, down, linear: Callable = F.linear) -> torch.Tensor:
+    """One expert on rows xs [n, H]: gate_up [2I, H] (gate rows first), down [H, I] -> [n, H]. `linear(x,
+    weight)` forms the two products (an engine passes its own for weights it holds in another form)."""
+    gate, up = linear(xs, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 class TaggedExperts(nn.Module):
