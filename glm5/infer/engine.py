@@ -161,13 +161,13 @@ class LLMEngine:
         """`gemm`: whether prefill-sized GEMMs run on oneDNN (glm5/infer/onednn.py); only under the native
         kernels, whose modules carry the packed weights."""
         c = self.config
-        if c.gemm == "torch" or (c.gemm == "auto" and self.kernels is None):
-            return False
-        if c.gemm == "onednn" and (self.kernels is None or not onednn.available()):
-            raise ValueError("gemm='onednn' needs the native CPU kernels (kernels='auto' or 'native' on CPU) and a "
-                             "PyTorch build with oneDNN - use gemm='auto' or 'torch'")
         if c.gemm == "onednn":
+            if self.kernels is None or not onednn.available():
+                raise ValueError("gemm='onednn' needs the native CPU kernels (kernels='auto' or 'native' on CPU) and "
+                                 "a PyTorch build with oneDNN - use gemm='auto' or 'torch'")
             return True
+        if c.gemm == "torch" or self.kernels is None:
+            return False
         packed = packable_bytes(model)
         if packed > available_memory_bytes() // 2:  # the packs are a second copy of those weights
             log.info("gemm='auto': no oneDNN packs (%.1f GB of weights, more than half the free memory)", packed / 1e9)
