@@ -155,6 +155,7 @@ def make_agent(args):
                               ("lm_margin", args.lm_margin), ("max_candidates", args.max_candidates),
                               ("max_edits", args.max_edits), ("lm_alternatives", None if args.lm_alternatives is None else bool(args.lm_alternatives)),
                               ("lm_same_length", None if args.lm_same_length is None else bool(args.lm_same_length)),
+                              ("lm_unsupported", None if args.lm_unsupported is None else bool(args.lm_unsupported)),
                               ("lm_protect_conf", args.lm_protect_conf), ("lm_min_rival", args.lm_min_rival),
                               ("lm_min_gain", args.lm_min_gain))
             if v is not None}
@@ -402,6 +403,8 @@ def main(argv=None) -> int:
                     help="1: round 2 also draws candidates from round 1's other readings")
     ap.add_argument("--lm-same-length", type=int, choices=[0, 1], default=None,
                     help="1: round 2 only substitutes characters")
+    ap.add_argument("--lm-unsupported", type=int, choices=[0, 1], default=None,
+                    help="1: round 2 may change a character no other round-1 reading supports (guarded)")
     ap.add_argument("--lm-protect-conf", type=float, default=None)
     ap.add_argument("--lm-min-rival", type=float, default=None)
     ap.add_argument("--lm-min-gain", type=float, default=None)

@@ -17,7 +17,7 @@ from glm5.model.model import GLM5ForCausalLM
 
 TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
 # the decision alone (no protection, no per-edit gain): what the tests below the first few build on
-RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2, protect_conf=1.0, min_rival=0.0,
+RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2, unsupported=True, protect_conf=1.0, min_rival=0.0,
               min_lm_gain=0.0)
 
 
@@ -188,11 +188,11 @@ def confident_page(alternatives=()):
 
 def test_a_confident_character_changes_only_with_support_from_another_reading():
     from glm5.apps.ocr.agent import OcrConfig
-    rule = LmRule(lm_weight=1.0, protect_conf=0.8)
+    rule = LmRule(lm_weight=1.0, unsupported=True, protect_conf=0.8)
     strong = KeywordScorer("cat", bonus=50.0)  # the language model wants "cat" whatever it costs
     # the same case without protection: the language model wins (the behaviour the rule prevents)
     lines = confident_page()
-    lm_correct(lines, [0], {0: 0}, strong, LmRule(lm_weight=1.0, protect_conf=1.0), set(), 2)
+    lm_correct(lines, [0], {0: 0}, strong, LmRule(lm_weight=1.0, unsupported=True, protect_conf=1.0), set(), 2)
     assert lines[0].reading.text == "cat sat"
     # protected: no candidate may change the "o", so none is even scored
     lines, scorer = confident_page(), KeywordScorer("cat", bonus=50.0)
@@ -218,7 +218,7 @@ def test_a_confident_character_changes_only_with_support_from_another_reading():
 
 
 def test_a_rival_the_recogniser_finds_implausible_needs_support():
-    rule = LmRule(lm_weight=1.0, protect_conf=0.9, min_rival=0.2)
+    rule = LmRule(lm_weight=1.0, unsupported=True, protect_conf=0.9, min_rival=0.2)
     strong = KeywordScorer("cat", bonus=50.0)
     quad = torch.zeros(4, 2).numpy()
     # "o" at 0.6, "a" at 0.1: 0.1 < 0.2 * 0.6, so the recogniser's own rival is too weak
@@ -228,11 +228,31 @@ def test_a_rival_the_recogniser_finds_implausible_needs_support():
     assert len(lm_correct(lines, [0], {0: 0}, strong, rule, set(), 2)[0]) == 1
 
 
+def test_by_default_every_change_needs_another_reading_to_support_it():
+    from glm5.apps.ocr.agent import OcrConfig
+    strong = KeywordScorer("cat", bonus=50.0)  # the language model wants "cat" whatever it costs
+    quad = torch.zeros(4, 2).numpy()
+    # "o" at 0.5 and "a" at 0.45: doubtful, a close rival, and 50 nats for the change
+    make = lambda alts=(): [Line(quad, reading("cot sat", {1: [("o", 0.5), ("a", 0.45), ("", 0.05)]}),  # noqa: E731
+                                 "raw", alternatives=list(alts))]
+    default = OcrConfig().lm_rule
+    assert not default.unsupported
+    lines, scorer = make([("padded", plain("cot sat"))]), KeywordScorer("cat", bonus=50.0)
+    changes, summary = lm_correct(lines, [0], {0: 0}, scorer, default, set(), 2)
+    assert changes == [] and lines[0].reading.text == "cot sat" and scorer.calls == [] and summary["examined"] == 0
+    lines = make([("padded", plain("cat sat"))])  # another crop reads "a" there
+    assert len(lm_correct(lines, [0], {0: 0}, strong, default, set(), 2)[0]) == 1
+    assert lines[0].reading.text == "cat sat"
+    # the guarded rule of before (`lm_unsupported`) lets the model's word alone make it
+    lines = make()
+    assert len(lm_correct(lines, [0], {0: 0}, strong, OcrConfig(lm_unsupported=True).lm_rule, set(), 2)[0]) == 1
+
+
 def test_language_model_gain_per_edit():
     # "cat" is worth 5 nats to the model; a rule asking for 6 per changed character keeps "cot"
     for need, changed in ((4.0, True), (6.0, False)):
         lines = page()
-        rule = LmRule(lm_weight=1.0, threshold=0.9, min_lm_gain=need)
+        rule = LmRule(lm_weight=1.0, threshold=0.9, unsupported=True, min_lm_gain=need)
         lm_correct(lines, [0, 1, 2], {0: 0, 1: 0, 2: 0}, KeywordScorer("cat", 5.0), rule, set(), 2)
         assert (lines[1].reading.text == "cat sat") == changed
 
@@ -264,8 +284,8 @@ def test_an_edit_that_rides_along_with_a_strong_one_must_pay_for_itself():
                                               12: [("m", 0.6), ("n", 0.35), ("", 0.05)]}))]
     scorer = BonusScorer({"owner": 25.0, "( l)": 7.0})
     lines = make()
-    lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, min_lm_gain=0.0), set(), 2)
+    lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, unsupported=True, min_lm_gain=0.0), set(), 2)
     assert lines[0].reading.text == "chmod( l) owner"  # without a per-edit gain both go through
     lines = make()
-    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, min_lm_gain=10.0), set(), 2)
+    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, unsupported=True, min_lm_gain=10.0), set(), 2)
     assert lines[0].reading.text == "chmod( 1) owner" and len(changes) == 1
