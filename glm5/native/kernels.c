@@ -67,6 +67,7 @@ static inline v8 exp8(v8 x) {
 #define TILE_M 8
 #define K_CHUNK 64
 #define PREFETCH_ROWS 8 /* weight rows ahead of the one being read (four-row form) */
+#define KEYS_AHEAD 8    /* attention: key rows ahead of the one being scored whose lines are prefetched */
 
 /* f(args..., k) with k the compile-time constant min(n, 6); n must be >= 1 (n = 0 would run 6). Kernels
  * below unroll their loops over a constant number of rows or heads. */
@@ -444,6 +445,11 @@ static void latent_row(const float *qs, int H, int W, const float *lat, long ldr
     if (!m) return; /* a row with no allowed key: zeros */
     for (long i = 0; i < m; i++) { /* one key row at a time: a pure stream through the sequence's blocks */
         const float *row = lat + slots[keys[i]] * ldr;
+        if (i + KEYS_AHEAD < m) { /* rows are scattered over blocks: ask for a later key's key and value now */
+            const char *ahead = (const char *)(lat + slots[keys[i + KEYS_AHEAD]] * ldr);
+            for (long b = 0; b < (long)W * 4; b += 64) __builtin_prefetch(ahead + b);
+            for (long b = voff ? 0 : (long)W * 4; b < (long)R * 4; b += 64) __builtin_prefetch(ahead + voff * 4 + b);
+        }
         for (int h0 = 0; h0 < H; h0 += 6)
             UPTO6(H - h0, head_dots, qs + (long)h0 * W, W, row, sc + h0 * ld + i, ld);
     }
