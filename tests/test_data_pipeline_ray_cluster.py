@@ -15,11 +15,17 @@ from tests.test_data_pipeline_ray import ROOT, _broken, _cfg, outputs, write_sam
 ray = pytest.importorskip("ray")  # the `cluster` extra; CI installs it (.ci/run)
 
 
-def _node_of(_):
-    import time
-
-    time.sleep(0.5)  # long enough that both nodes' workers get a job
-    return ray.get_runtime_context().get_node_id()
+def _node_of(marks: str):
+    """This job's node id, once jobs have run on two nodes (or after 30 s): each job writes its node id under
+    `marks` and waits for another node's, so no job ends before the other node's worker has one, however
+    long that worker takes to start; jobs that only ever ran on one node return after the wait and fail the
+    test."""
+    node = ray.get_runtime_context().get_node_id()
+    Path(marks, node).touch()
+    deadline = time.monotonic() + 30
+    while len(os.listdir(marks)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return node
 
 
 @pytest.mark.slow
@@ -41,7 +47,9 @@ def test_two_node_cluster_matches_local(tmp_path, monkeypatch):
         assert outputs(out) == outputs(tmp_path / "local")
         ex = RayExecutor(ExecutorConfig(executor="ray", ray_address=cluster.address))
         try:
-            assert len(set(ex.map(_node_of, [(i,) for i in range(4)], ["n"] * 4, "nodes"))) == 2
+            marks = tmp_path / "nodes"
+            marks.mkdir()
+            assert len(set(ex.map(_node_of, [(str(marks),) for _ in range(4)], ["n"] * 4, "nodes"))) == 2
         finally:
             ex.close()
     finally:
