@@ -67,7 +67,9 @@ static inline v8 exp8(v8 x) {
 #define TILE_M 8
 #define K_CHUNK 64
 #define PREFETCH_ROWS 8 /* weight rows ahead of the one being read (four-row form) */
-#define KEYS_AHEAD 8    /* attention: key rows ahead of the one being scored whose lines are prefetched */
+#define KEYS_AHEAD 8    /* attention: key rows ahead of the one being scored whose lines are prefetched
+                         * (GQA decode, 64 sequences x 160 keys, 1 thread: none 4.1 ms, 4 ahead 1.04, 8 0.77,
+                         * 16 0.96; docs/bench-engine.md, "2026-12-07 night") */
 
 /* f(args..., k) with k the compile-time constant min(n, 6); n must be >= 1 (n = 0 would run 6). Kernels
  * below unroll their loops over a constant number of rows or heads. */
