@@ -17,8 +17,8 @@ from glm5.model.model import GLM5ForCausalLM
 
 TOK = load_tokenizer("glm5/data/assets/tokenizer-8k")
 # the decision alone (no protection, no per-edit gain): what the tests below the first few build on
-RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2, unsupported=True, protect_conf=1.0, min_rival=0.0,
-              min_lm_gain=0.0)
+RULE = LmRule(lm_weight=1.0, threshold=0.9, max_candidates=8, max_edits=2, unsupported=True, protect_conf=1.0,
+              min_rival=0.0, min_lm_gain=0.0)
 
 
 def test_scorer_matches_unpadded_forward(one_thread):
@@ -287,5 +287,6 @@ def test_an_edit_that_rides_along_with_a_strong_one_must_pay_for_itself():
     lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, unsupported=True, min_lm_gain=0.0), set(), 2)
     assert lines[0].reading.text == "chmod( l) owner"  # without a per-edit gain both go through
     lines = make()
-    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, LmRule(lm_weight=1.0, unsupported=True, min_lm_gain=10.0), set(), 2)
+    rule = LmRule(lm_weight=1.0, unsupported=True, min_lm_gain=10.0)
+    changes, _ = lm_correct(lines, [0], {0: 0}, scorer, rule, set(), 2)
     assert lines[0].reading.text == "chmod( 1) owner" and len(changes) == 1

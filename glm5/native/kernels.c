@@ -450,7 +450,8 @@ static void latent_row(const float *qs, int H, int W, const float *lat, long ldr
         if (i + KEYS_AHEAD < m) { /* rows are scattered over blocks: ask for a later key's key and value now */
             const char *ahead = (const char *)(lat + slots[keys[i + KEYS_AHEAD]] * ldr);
             for (long b = 0; b < (long)W * 4; b += 64) __builtin_prefetch(ahead + b);
-            for (long b = voff ? 0 : (long)W * 4; b < (long)R * 4; b += 64) __builtin_prefetch(ahead + voff * 4 + b);
+            if (voff) /* GQA: the value lies apart from the key (MLA's value is the key row's latent part) */
+                for (long b = 0; b < (long)R * 4; b += 64) __builtin_prefetch(ahead + voff * 4 + b);
         }
         for (int h0 = 0; h0 < H; h0 += 6)
             UPTO6(H - h0, head_dots, qs + (long)h0 * W, W, row, sc + h0 * ld + i, ld);

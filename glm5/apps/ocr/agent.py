@@ -59,15 +59,16 @@ class OcrConfig:
     crop) supports, under the three guards below. Off: every change needs that visual support (docs/ocr.md,
     "No correction breaks a right character")."""
     lm_protect_conf: float = 0.9
-    """With `lm_unsupported`: language-model rounds change a character read at this confidence or more only when another
-    round-1 reading of the line reads the new character there (1.0: no protection; 0.9, the default,
+    """With `lm_unsupported`: language-model rounds change a character read at this confidence or more only
+    when another round-1 reading of the line reads the new character there (1.0: no protection; 0.9, the default,
     guards the characters `lm_threshold` already leaves alone if that is raised). The defaults of these
     three were chosen on seed-1 and seed-2 pages (docs/ocr.md)."""
     lm_min_rival: float = 0.1
-    """With `lm_unsupported`: an unsupported language-model change needs the new character at >= this fraction of the read
-    character's recogniser probability."""
+    """With `lm_unsupported`: an unsupported language-model change needs the new character at >= this
+    fraction of the read character's recogniser probability."""
     lm_min_gain: float = 8.0
-    """With `lm_unsupported`: nats per unsupported changed character by which the language model alone must prefer a correction."""
+    """With `lm_unsupported`: nats per unsupported changed character by which the language model alone must
+    prefer a correction."""
     num_threads: int = 0
     """onnxruntime threads (0 = its default)."""
     max_pixels: int = MAX_PIXELS
@@ -97,8 +98,8 @@ class OcrConfig:
         return correct.LmRule(lm_weight=self.lm_weight, threshold=self.lm_threshold, min_margin=self.lm_margin,
                               max_candidates=self.max_candidates, max_edits=self.max_edits,
                               alternatives=self.lm_alternatives, same_length=self.lm_same_length,
-                              unsupported=self.lm_unsupported, protect_conf=self.lm_protect_conf, min_rival=self.lm_min_rival,
-                              min_lm_gain=self.lm_min_gain)
+                              unsupported=self.lm_unsupported, protect_conf=self.lm_protect_conf,
+                              min_rival=self.lm_min_rival, min_lm_gain=self.lm_min_gain)
 
 
 class OcrAgent:

@@ -312,11 +312,11 @@ class LmRule:
     with support: another round-1 reading of the line (another crop) reads the new character there.
     1.0 = no protection."""
     min_rival: float = 0.1
-    """With `unsupported`: an unsupported change needs the new character's recogniser probability to be at least this
-    fraction of the read character's (the recogniser itself must find the rival plausible)."""
+    """With `unsupported`: an unsupported change needs the new character's recogniser probability to be at
+    least this fraction of the read character's (the recogniser itself must find the rival plausible)."""
     min_lm_gain: float = 8.0
-    """With `unsupported`: nats by which the language model alone must prefer each unsupported changed character (one no
-    other round-1 reading puts there): the winner against the same candidate with that one character
+    """With `unsupported`: nats by which the language model alone must prefer each unsupported changed
+    character (one no other round-1 reading puts there): the winner against the same candidate with that one character
     put back (`lm_correct`); a supported one needs only a gain above 0. An edit that rides along with a
     strong one (the model gains 25 nats from `owmer` -> `owner` and would also take `chmod( 1)` ->
     `chmod( l)` for 7) must pay for itself; edits that do not are put back."""
