@@ -162,6 +162,79 @@ def test_depth_pruning_drops_the_least_important_layer(teacher, tmp_path, metric
         assert abs(scores[dropped] - (drop - base).item()) < 1e-3
 
 
+def _reference_refit(src, student, rows):
+    """Per main layer, numpy's least squares of the teacher's MLP outputs on the student's down-projection
+    inputs, both computed with transformers' models (hooks on the teacher's MLP; the student's gate/up
+    rows read from its checkpoint), the routing weights by the config's formula: [H, F] per layer."""
+    import numpy as np
+    t = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager", dtype=torch.float32)
+    s = transformers.AutoModelForCausalLM.from_pretrained(student, attn_implementation="eager", dtype=torch.float32)
+    io = {}
+    hooks = [layer.mlp.register_forward_hook(lambda m, a, o, i=i: io.setdefault(i, []).append(
+        (a[0].reshape(-1, a[0].shape[-1]), o.reshape(-1, o.shape[-1])))) for i, layer in enumerate(t.model.layers)]
+    with torch.no_grad():
+        t.eval()(input_ids=rows[:, :-1], use_cache=False)
+    for h in hooks:
+        h.remove()
+    cfg, out = s.config, {}
+    for i, layer in enumerate(s.model.layers):
+        x = torch.cat([a for a, _ in io[i]]).double().detach()
+        y = torch.cat([b for _, b in io[i]]).double().detach()
+
+        def act(sw, x=x):
+            return F.silu(x @ sw.gate_proj.weight.double().T) * (x @ sw.up_proj.weight.double().T)
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_proj"):
+            feats = act(mlp)
+        else:  # every routed part is selected (split copies): weight = normalised sigmoid score x scaling
+            scores = torch.sigmoid(x @ mlp.gate.weight.double().T)  # [N, E]
+            assert cfg.num_experts_per_tok == scores.shape[1]
+            w = scores / scores.sum(-1, keepdim=True) if cfg.norm_topk_prob else scores
+            w = w * cfg.routed_scaling_factor
+            gu, inter = mlp.experts.gate_up_proj.double(), mlp.experts.down_proj.shape[-1]
+            routed = [F.silu(x @ gu[e, :inter].T) * (x @ gu[e, inter:].T) * w[:, e:e + 1]
+                      for e in range(scores.shape[1])]
+            feats = torch.cat([act(mlp.shared_experts), *routed], 1)
+        out[i] = torch.from_numpy(np.linalg.lstsq(feats.detach().numpy(), y.numpy(), rcond=None)[0].T)
+    return out
+
+
+def test_reconstruct_is_least_squares_on_the_teachers_mlp_outputs(teacher, tmp_path):
+    """`reconstruct` refits every main layer's down-projections (dense; shared + routed parts jointly) to
+    numpy's least-squares solution on transformers' teacher MLP inputs/outputs, lowers the MLP output error,
+    and transformers still computes the student's logits."""
+    src, corpus = teacher
+    spec = PruneConfig(intermediate_size=40, shared_intermediate_size=24, moe_intermediate_size=12,
+                       n_routed_experts=2, calibration=corpus, reconstruct=True, reconstruct_tokens=512,
+                       reconstruct_ridge=1e-12, **CALIB)
+    rec = prune(src, tmp_path / "s", spec, log=None)
+    r = rec["reconstruct"]
+    assert r["tokens"] >= 512 and r["mlp_error_after"] < 0.9 * r["mlp_error_before"]
+    from glm5.distill.prune import calibration_rows
+    ref = _reference_refit(src, tmp_path / "s", calibration_rows(src, spec, spec.reconstruct_tokens))
+    got = glm5.from_pretrained(tmp_path / "s")
+    for i, layer in enumerate(got.model.main_layers):
+        mlp = layer.mlp
+        w = (mlp.down_proj.weight if hasattr(mlp, "down_proj") else
+             torch.cat([mlp.shared_experts.down_proj.weight, *mlp.experts.down_proj.unbind(0)], 1))
+        assert (w.double() - ref[i]).abs().max().item() <= 1e-3 * ref[i].abs().max().item(), i
+    ids = _ids()
+    _hf_matches(tmp_path / "s", ids, _logits(tmp_path / "s", ids))
+
+
+def test_reconstruct_keeps_an_exact_prune_exact(teacher, tmp_path):
+    """Nothing lossy removed (the copies split, one indexer head): the teacher's outputs are reachable, so
+    the refit finds the teacher's own down-projections and the logits stay the teacher's."""
+    src, corpus = teacher
+    spec = PruneConfig(n_routed_experts=2, index_n_heads=1, calibration=corpus, reconstruct=True,
+                       reconstruct_tokens=512, reconstruct_ridge=1e-12, **CALIB)
+    rec = prune(src, tmp_path / "s", spec, log=None)
+    assert rec["reconstruct"]["mlp_error_before"] < 1e-9 and rec["reconstruct"]["mlp_error_after"] < 1e-9
+    ids = _ids()
+    want, got = _logits(src, ids), _logits(tmp_path / "s", ids)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
 BAD = [
     (dict(num_hidden_layers=0), "num_hidden_layers"),
     (dict(num_hidden_layers=9), "num_hidden_layers"),
@@ -173,6 +246,8 @@ BAD = [
     (dict(moe_intermediate_size=16, shared_intermediate_size=40), "shared_intermediate_size"),
     (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
     (dict(intermediate_size=2.5), "intermediate_size"),
+    (dict(reconstruct=True, reconstruct_tokens=8), "reconstruct_tokens"),
+    (dict(reconstruct_ridge=-1.0), "reconstruct_ridge"),
 ]
 
 

@@ -25,6 +25,13 @@ Axes (each optional; what is not given is kept):
 - `qk_nope_head_dim`: the non-rotary query/key dims with the least |q| * |k| weight mass; queries are
   rescaled so that the softmax scale 1/sqrt(qk_head_dim) of the new head dim gives the same scores.
 
+`reconstruct` (off by default) then refits, per main layer, the student's MLP down-projections (dense
+layers: the SwiGLU's; MoE layers: the shared expert's and every kept routed expert's, jointly) by ridge
+least squares so that the pruned MLP reproduces the teacher's MLP output on the teacher's own layer
+inputs over `reconstruct_tokens` calibration tokens (layer-wise output reconstruction, as in the
+post-training pruning literature: the kept neurons take over what the removed ones wrote). The gate/up
+rows stay those of the teacher; the MTP layer is pruned, not refitted.
+
 The output is a plain `glm_moe_dsa` checkpoint (tokenizer copied) with a `glm5_pruning` record: the
 spec, the parameter counts, and per axis what was kept. A spec that would leave an invalid config is
 refused before any compute, naming the parameter.
@@ -69,6 +76,9 @@ class PruneConfig:
     qk_nope_head_dim: int | None = None  # non-rotary query/key dims kept per head
     split_copies: bool = True  # upcycled (identical) experts: split the kept neurons across the kept experts
     layer_metric: Literal["loss", "cosine"] = "loss"
+    reconstruct: bool = False  # refit the MLP down-projections to the teacher's MLP outputs (module docstring)
+    reconstruct_tokens: int = 32768  # calibration tokens the refit sees (the importance rows' text, more of it)
+    reconstruct_ridge: float = 1e-4  # ridge, relative to the mean feature energy (diagonal of the Gram matrix)
     calibration: str = "bundled:corpus/train.jsonl.gz"  # JSONL with "text"
     calib_tokens: int = 8192  # tokens scored for the importances
     layer_calib_tokens: int = 2048  # of which the drop-one-layer losses use the first
@@ -119,6 +129,30 @@ def validate(spec: PruneConfig, cfg: ModelConfig) -> None:
     _need(spec.calib_tokens >= spec.seq_len and spec.layer_calib_tokens >= spec.seq_len, "calib_tokens",
           spec.calib_tokens, f"calib_tokens and layer_calib_tokens must be >= seq_len = {spec.seq_len}")
     _need(spec.seq_len >= 2, "seq_len", spec.seq_len, "must be >= 2")
+    _need(spec.reconstruct_tokens >= spec.seq_len, "reconstruct_tokens", spec.reconstruct_tokens,
+          f"must be >= seq_len = {spec.seq_len}")
+    _need(spec.reconstruct_ridge >= 0, "reconstruct_ridge", spec.reconstruct_ridge, "must be >= 0")
+
+
+# A layer's refit solves one ridge system over all its kept MLP neurons (shared + routed experts): its Gram
+# matrix grows with their square (8,192 neurons: 256 MB in float32 per layer, every layer at once).
+RECONSTRUCT_MAX_NEURONS = 8192
+
+
+def check_reconstruct(spec: PruneConfig, cfg: ModelConfig, split: int | None) -> None:
+    """Refuse a refit whose per-layer system would be too large, before any compute (names the key)."""
+    if not spec.reconstruct:
+        return
+    E2 = spec.n_routed_experts or cfg.n_routed_experts
+    I_moe = spec.moe_intermediate_size or split or cfg.moe_intermediate_size
+    shared = spec.shared_intermediate_size or (cfg.moe_intermediate_size * cfg.n_shared_experts
+                                               if spec.moe_intermediate_size is None else I_moe * cfg.n_shared_experts)
+    dense = spec.intermediate_size or cfg.intermediate_size
+    moe = shared + E2 * I_moe if "sparse" in cfg.mlp_layer_types else 0
+    widest = max(dense if "dense" in cfg.mlp_layer_types else 0, moe)
+    _need(widest <= RECONSTRUCT_MAX_NEURONS, "reconstruct", spec.reconstruct,
+          f"a layer keeps {widest} MLP neurons (shared + routed experts), above the {RECONSTRUCT_MAX_NEURONS} one "
+          "joint refit solves; prune the experts further or set reconstruct = false")
 
 
 # ---- importance ----------------------------------------------------------------------------------------
@@ -131,8 +165,9 @@ class Importance:
     base_loss: float
 
 
-def calibration_rows(checkpoint: Path, spec: PruneConfig) -> torch.Tensor:
-    """[R, seq_len + 1] packed rows of the calibration text in the checkpoint's own tokenizer."""
+def calibration_rows(checkpoint: Path, spec: PruneConfig, tokens: int | None = None) -> torch.Tensor:
+    """[R, seq_len + 1] packed rows of the calibration text in the checkpoint's own tokenizer (about
+    `tokens`, default `calib_tokens`; more tokens extend the same shuffled text)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from .data import pack, read_texts  # noqa: PLC0415
@@ -140,7 +175,8 @@ def calibration_rows(checkpoint: Path, spec: PruneConfig) -> torch.Tensor:
     texts = read_texts(spec.calibration)
     gen = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(len(texts), generator=gen).tolist()
-    rows = pack(tok, [texts[i] for i in order], spec.seq_len, spec.calib_tokens + spec.calib_tokens // spec.seq_len)
+    n = spec.calib_tokens if tokens is None else tokens
+    rows = pack(tok, [texts[i] for i in order], spec.seq_len, n + n // spec.seq_len)
     return rows
 
 
@@ -273,6 +309,92 @@ def layer_importance(model: GLM5ForCausalLM, rows: torch.Tensor, spec: PruneConf
         if log:
             log(f"[prune] layer {i}: loss +{score[i]:.4f} without it ({time.perf_counter() - t0:.0f}s)")
     return score
+
+
+# ---- reconstruction ------------------------------------------------------------------------------------
+def mlp_features(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[N, F]: what an MLP's down-projections read, so that its output is features @ [downs].T. Dense:
+    silu(gate x) * (up x); MoE: the shared expert's, then each routed expert's times its routing weight
+    (zero where the router did not pick it), experts in order."""
+    if not isinstance(mlp, MoE):
+        return _swiglu_hidden(mlp, x)
+    parts = [_swiglu_hidden(mlp.shared_experts, x)]
+    _, _, w, idx = mlp.gate(x)
+    ex = mlp.experts
+    for e in range(ex.n_experts):
+        we = (w * (idx == e)).sum(-1)  # [N]
+        h = torch.zeros(x.shape[0], ex.inter, dtype=x.dtype)
+        tok = we.nonzero().squeeze(1)
+        if tok.numel():
+            gu = ex.gate_up_proj[e].float()
+            xt = x[tok]
+            h[tok] = F.silu(xt @ gu[:ex.inter].T) * (xt @ gu[ex.inter:].T) * we[tok, None]
+        parts.append(h)
+    return torch.cat(parts, 1)
+
+
+def _set_downs(mlp: torch.nn.Module, w: torch.Tensor) -> None:
+    """Write the refitted [H, F] down-projection back into the MLP (the inverse of `mlp_features`' layout)."""
+    if not isinstance(mlp, MoE):
+        mlp.down_proj.weight.copy_(w)
+        return
+    s = mlp.shared_experts.down_proj.weight.shape[1]
+    mlp.shared_experts.down_proj.weight.copy_(w[:, :s])
+    I = mlp.experts.inter
+    for e in range(mlp.experts.n_experts):
+        mlp.experts.down_proj[e].copy_(w[:, s + e * I: s + (e + 1) * I])
+
+
+def _downs(mlp: torch.nn.Module) -> torch.Tensor:
+    if not isinstance(mlp, MoE):
+        return mlp.down_proj.weight.float()
+    return torch.cat([mlp.shared_experts.down_proj.weight.float(), *mlp.experts.down_proj.float().unbind(0)], 1)
+
+
+@torch.no_grad()
+def reconstruct(teacher: GLM5ForCausalLM, student: GLM5ForCausalLM, layers_kept: list[int], rows: torch.Tensor,
+                ridge: float, log=print) -> dict:
+    """Refit the student's main-layer MLP down-projections in place: for student layer i (teacher layer
+    layers_kept[i]), minimise sum ||features(x) W.T - y||^2 + ridge * mean(diag G) * ||W||^2 over the
+    teacher's MLP inputs x and outputs y on `rows` (one teacher pass; the normal equations accumulated in
+    float64). Returns the mean relative squared error of the layers' MLP outputs before and after."""
+    acc: dict[int, list[torch.Tensor]] = {}
+
+    def hook(i: int):
+        def h(m, args, out):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            y = (out[0] if isinstance(out, tuple) else out).reshape(-1, x.shape[-1]).float()
+            f = mlp_features(student.model.layers[i].mlp, x)
+            terms = [(f.T @ f).double(), (f.T @ y).double(), (y * y).sum().double()]
+            acc[i] = terms if i not in acc else [a + b for a, b in zip(acc[i], terms)]
+        return h
+
+    t0 = time.perf_counter()
+    handles = [teacher.model.layers[t].mlp.register_forward_hook(hook(i)) for i, t in enumerate(layers_kept)]
+    try:
+        for b in range(0, len(rows), 4):
+            teacher(rows[b:b + 4, :-1])
+    finally:
+        for h in handles:
+            h.remove()
+    before, after = [], []
+    for i, (G, C, yy) in sorted(acc.items()):
+        mlp = student.model.layers[i].mlp
+
+        def err(w: torch.Tensor) -> float:  # ||F W.T - Y||^2 / ||Y||^2 from the accumulated sums
+            return float((torch.einsum("hf,fg,hg->", w, G, w) - 2 * torch.einsum("hf,fh->", w, C) + yy) / yy)
+        w0 = _downs(mlp).double()
+        reg = ridge * G.diagonal().mean() * torch.eye(len(G), dtype=G.dtype)
+        w = torch.linalg.solve(G + reg, C).T  # [H, F]
+        before.append(err(w0))
+        after.append(err(w))
+        _set_downs(mlp, w.float())
+    res = {"tokens": int(rows[:, 1:].numel()), "ridge": ridge, "mlp_error_before": round(sum(before) / len(before), 5),
+           "mlp_error_after": round(sum(after) / len(after), 5), "seconds": round(time.perf_counter() - t0, 1)}
+    if log:
+        log(f"[prune] reconstruct: MLP output error {res['mlp_error_before']:.4f} -> {res['mlp_error_after']:.4f} "
+            f"(mean over {len(acc)} layers, {res['tokens']:,} tokens) in {res['seconds']}s")
+    return res
 
 
 # ---- surgery -------------------------------------------------------------------------------------------
@@ -448,22 +570,32 @@ def prune(checkpoint: str | Path, out_dir: str | Path, spec: PruneConfig, log=pr
     model = from_pretrained(checkpoint, dtype=torch.float32)
     tensors = state_dict_to_hf(model)
     split = split_plan(spec, cfg, tensors)
+    check_reconstruct(spec, cfg, split)
     rows = calibration_rows(checkpoint, spec)
     imp = measure(model, rows, spec, log)
-    del model
     new_cfg, new_tensors, kept = prune_tensors(cfg, tensors, imp, spec, split)
     del tensors
     before, after = count_parameters(cfg), count_parameters(new_cfg)
-    record = {"source": str(checkpoint), "spec": asdict(spec), "parameters_before": before,
-              "parameters_after": after, "calibration_loss": round(imp.base_loss, 5),
-              "layer_scores": [round(float(s), 5) for s in imp.layers.tolist()], **kept,
-              "seconds": round(time.perf_counter() - t0, 1)}
-    full = dict(record)
-    record.pop("neurons_kept")  # config.json keeps the summary; pruning.json every kept index
-    record.pop("nope_dims", None)
-    new_cfg.extra["glm5_pruning"] = record
     with atomic_dir(out_dir) as tmp:
         save_sharded({k: v.contiguous() for k, v in new_tensors.items()}, tmp, "5GB")
+        d = new_cfg.to_dict()
+        d["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+        student = from_pretrained(tmp)  # strict load: every tensor present, every shape the config's
+        if spec.reconstruct:
+            kept["reconstruct"] = reconstruct(model.eval(), student.eval(), kept["layers_kept"],
+                                              calibration_rows(checkpoint, spec, spec.reconstruct_tokens),
+                                              spec.reconstruct_ridge, log)
+            save_sharded({k: v.contiguous() for k, v in state_dict_to_hf(student).items()}, tmp, "5GB")
+        del model, student
+        record = {"source": str(checkpoint), "spec": asdict(spec), "parameters_before": before,
+                  "parameters_after": after, "calibration_loss": round(imp.base_loss, 5),
+                  "layer_scores": [round(float(s), 5) for s in imp.layers.tolist()], **kept,
+                  "seconds": round(time.perf_counter() - t0, 1)}
+        full = dict(record)
+        record.pop("neurons_kept")  # config.json keeps the summary; pruning.json every kept index
+        record.pop("nope_dims", None)
+        new_cfg.extra["glm5_pruning"] = record
         d = new_cfg.to_dict()
         d["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
@@ -471,7 +603,6 @@ def prune(checkpoint: str | Path, out_dir: str | Path, spec: PruneConfig, log=pr
             if (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, tmp / name)
         (tmp / "pruning.json").write_text(json.dumps(full) + "\n")
-        from_pretrained(tmp)  # strict load: every tensor present, every shape the config's
     if log:
         log(f"[prune] {before:,} -> {after:,} parameters ({before / after:.2f}x fewer) in {record['seconds']}s: "
             f"{out_dir}")
