@@ -7,7 +7,7 @@ resumable run with a Markdown + PNG report (OUT/quality.md, OUT/quality.png, OUT
 Sections (rerunning skips what is done; an interrupted training run resumes from its last checkpoint):
 - `distill` (seed M7): `glm5 prune` cuts a student with half the teacher's parameters out of the embedded
   model (configs/distill/prune-smollm2.toml), `glm5 distill` heals it on the bundled corpus
-  (configs/distill/smollm2-heal.toml: the teacher's top-64 distributions, 40 steps x 2,048 tokens), and
+  (configs/distill/smollm2-heal.toml: the teacher's top-64 distributions, 30 steps x 2,048 tokens), and
   the same student is trained the same steps without the teacher (alpha = 1). Teacher, pruned-only,
   distilled and no-teacher are scored on held-out cross entropy (the bundled validation split, the same
   rows for all) and, through `glm5 eval`, on four tasks where the teacher is clearly above chance:
