@@ -267,6 +267,16 @@ def measure(model: GLM5ForCausalLM, rows: torch.Tensor, spec: PruneConfig, log=p
     return Importance(neurons, mass, heads, layers, base)
 
 
+def _forward_hooked(model: GLM5ForCausalLM, rows: torch.Tensor, handles: list) -> None:
+    """Run the model over the rows (4 at a time, inputs only) for its hooks' sake, then remove them."""
+    try:
+        for b in range(0, len(rows), 4):
+            model(rows[b:b + 4, :-1])
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def layer_importance(model: GLM5ForCausalLM, rows: torch.Tensor, spec: PruneConfig, log=print) -> torch.Tensor:
     """[L]: drop-one-layer calibration loss minus the full model's ("loss"), or 1 - cos(in, out) ("cosine")."""
@@ -281,13 +291,7 @@ def layer_importance(model: GLM5ForCausalLM, rows: torch.Tensor, spec: PruneConf
             def hook(m, args, out):
                 score[i] += (1 - F.cosine_similarity(args[0].float(), out[0].float(), dim=-1)).mean()
             return hook
-        handles = [layer.register_forward_hook(cos_hook(i)) for i, layer in enumerate(main)]
-        try:
-            for b in range(0, len(sub), 4):
-                model(sub[b:b + 4, :-1])
-        finally:
-            for h in handles:
-                h.remove()
+        _forward_hooked(model, sub, [layer.register_forward_hook(cos_hook(i)) for i, layer in enumerate(main)])
         return score
 
     def loss() -> float:
@@ -370,13 +374,8 @@ def reconstruct(teacher: GLM5ForCausalLM, student: GLM5ForCausalLM, layers_kept:
         return h
 
     t0 = time.perf_counter()
-    handles = [teacher.model.layers[t].mlp.register_forward_hook(hook(i)) for i, t in enumerate(layers_kept)]
-    try:
-        for b in range(0, len(rows), 4):
-            teacher(rows[b:b + 4, :-1])
-    finally:
-        for h in handles:
-            h.remove()
+    _forward_hooked(teacher, rows, [teacher.model.layers[t].mlp.register_forward_hook(hook(i))
+                                    for i, t in enumerate(layers_kept)])
     before, after = [], []
     for i, (G, C, yy) in sorted(acc.items()):
         mlp = student.model.layers[i].mlp
