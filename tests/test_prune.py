@@ -247,7 +247,7 @@ BAD = [
     (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
     (dict(intermediate_size=2.5), "intermediate_size"),
     (dict(reconstruct=True, reconstruct_tokens=8), "reconstruct_tokens"),
-    (dict(reconstruct_ridge=-1.0), "reconstruct_ridge"),
+    (dict(reconstruct_ridge=0.0), "reconstruct_ridge"),
 ]
 
 

@@ -131,11 +131,12 @@ def validate(spec: PruneConfig, cfg: ModelConfig) -> None:
     _need(spec.seq_len >= 2, "seq_len", spec.seq_len, "must be >= 2")
     _need(spec.reconstruct_tokens >= spec.seq_len, "reconstruct_tokens", spec.reconstruct_tokens,
           f"must be >= seq_len = {spec.seq_len}")
-    _need(spec.reconstruct_ridge >= 0, "reconstruct_ridge", spec.reconstruct_ridge, "must be >= 0")
+    _need(spec.reconstruct_ridge > 0, "reconstruct_ridge", spec.reconstruct_ridge,
+          "must be > 0 (a dead neuron makes the plain normal equations singular; 1e-12 is fine)")
 
 
 # A layer's refit solves one ridge system over all its kept MLP neurons (shared + routed experts): its Gram
-# matrix grows with their square (8,192 neurons: 256 MB in float32 per layer, every layer at once).
+# matrix grows with their square (8,192 neurons: 512 MB in float64 per layer, every layer's held at once).
 RECONSTRUCT_MAX_NEURONS = 8192
 
 
