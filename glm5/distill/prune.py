@@ -140,15 +140,20 @@ def validate(spec: PruneConfig, cfg: ModelConfig) -> None:
 RECONSTRUCT_MAX_NEURONS = 8192
 
 
+def pruned_widths(spec: PruneConfig, cfg: ModelConfig, split: int | None) -> tuple[int, int, int, int]:
+    """(dense width, routed experts kept, each one's width, shared width in all) of the student. `split`:
+    see `split_plan`."""
+    I_moe = spec.moe_intermediate_size or split or cfg.moe_intermediate_size
+    shared = spec.shared_intermediate_size or (cfg.moe_intermediate_size * cfg.n_shared_experts
+                                               if spec.moe_intermediate_size is None else I_moe * cfg.n_shared_experts)
+    return spec.intermediate_size or cfg.intermediate_size, spec.n_routed_experts or cfg.n_routed_experts, I_moe, shared
+
+
 def check_reconstruct(spec: PruneConfig, cfg: ModelConfig, split: int | None) -> None:
     """Refuse a refit whose per-layer system would be too large, before any compute (names the key)."""
     if not spec.reconstruct:
         return
-    E2 = spec.n_routed_experts or cfg.n_routed_experts
-    I_moe = spec.moe_intermediate_size or split or cfg.moe_intermediate_size
-    shared = spec.shared_intermediate_size or (cfg.moe_intermediate_size * cfg.n_shared_experts
-                                               if spec.moe_intermediate_size is None else I_moe * cfg.n_shared_experts)
-    dense = spec.intermediate_size or cfg.intermediate_size
+    dense, E2, I_moe, shared = pruned_widths(spec, cfg, split)
     moe = shared + E2 * I_moe if "sparse" in cfg.mlp_layer_types else 0
     widest = max(dense if "dense" in cfg.mlp_layer_types else 0, moe)
     _need(widest <= RECONSTRUCT_MAX_NEURONS, "reconstruct", spec.reconstruct,
@@ -448,12 +453,7 @@ def prune_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], imp: Impor
         keep_layers = _topk_sorted(imp.layers, spec.num_hidden_layers).tolist()
     old_ids = keep_layers + list(range(L, L + cfg.num_nextn_predict_layers))  # the MTP layers stay, renumbered
     E, A = cfg.n_routed_experts, cfg.num_experts_per_tok
-    E2 = spec.n_routed_experts or E
-    I_moe = spec.moe_intermediate_size or split or cfg.moe_intermediate_size
-    shared_old = cfg.moe_intermediate_size * cfg.n_shared_experts
-    shared_new = spec.shared_intermediate_size or (shared_old if spec.moe_intermediate_size is None
-                                                   else I_moe * cfg.n_shared_experts)
-    I_dense = spec.intermediate_size or cfg.intermediate_size
+    I_dense, E2, I_moe, shared_new = pruned_widths(spec, cfg, split)
     nope_old, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     nope = spec.qk_nope_head_dim or nope_old
     H, V = cfg.num_attention_heads, cfg.v_head_dim
@@ -576,11 +576,14 @@ def prune(checkpoint: str | Path, out_dir: str | Path, spec: PruneConfig, log=pr
     new_cfg, new_tensors, kept = prune_tensors(cfg, tensors, imp, spec, split)
     del tensors
     before, after = count_parameters(cfg), count_parameters(new_cfg)
-    with atomic_dir(out_dir) as tmp:
-        save_sharded({k: v.contiguous() for k, v in new_tensors.items()}, tmp, "5GB")
+    def write_config(tmp: Path) -> None:
         d = new_cfg.to_dict()
         d["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+
+    with atomic_dir(out_dir) as tmp:
+        save_sharded({k: v.contiguous() for k, v in new_tensors.items()}, tmp, "5GB")
+        write_config(tmp)  # the load below needs it; rewritten with the record once that is complete
         student = from_pretrained(tmp)  # strict load: every tensor present, every shape the config's
         if spec.reconstruct:
             kept["reconstruct"] = reconstruct(model.eval(), student.eval(), kept["layers_kept"],
@@ -596,9 +599,7 @@ def prune(checkpoint: str | Path, out_dir: str | Path, spec: PruneConfig, log=pr
         record.pop("neurons_kept")  # config.json keeps the summary; pruning.json every kept index
         record.pop("nope_dims", None)
         new_cfg.extra["glm5_pruning"] = record
-        d = new_cfg.to_dict()
-        d["dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+        write_config(tmp)
         for name in TOKENIZER_FILES:
             if (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, tmp / name)
