@@ -178,6 +178,40 @@ def test_mla_kernel_equals_absorb_attend_and_w_uv(kernels, H, E, V, P, R):
             assert torch.allclose(got, ref, atol=1e-5), (T, threads, (got - ref).abs().max())
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_prefill_sized_expert_steps_follow_the_gemm_width(kernels, monkeypatch, wide):
+    """A step with many rows per expert (a prefill chunk) runs the native kernel where its GEMM has wide
+    (AVX-512) tiles, and then the experts get no oneDNN copy; with 16-column tiles the model's per-expert
+    loop. Either way the output is the model experts' (`Experts.forward`)."""
+    import glm5.infer.kernels as kmod
+    from glm5.infer.kernels import _swapped, use_onednn
+    from glm5.infer.layout import transpose_weights
+    from glm5.model.moe import Experts
+
+    from ._tiny import tiny_config
+
+    cfg = tiny_config(n_routed_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(2)
+    ref = Experts(cfg)
+    torch.nn.init.normal_(ref.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(ref.down_proj, std=0.2)
+    transpose_weights(ref)
+    fast = _swapped(NativeExperts, ref, wide_gemm=wide)
+    loops = []
+    monkeypatch.setattr(kmod, "expert_loop", lambda *a: loops.append(1) or expert_loop(*a))
+    n = 40  # 80 assignments over 4 experts: 20 rows an expert, above LOOP_MIN_ROWS_PER_EXPERT
+    x = torch.randn(n, cfg.hidden_size)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(n)])
+    w = torch.rand(n, 2)
+    with torch.no_grad():
+        assert torch.allclose(fast(x, idx, w), Experts.forward(ref, x, idx, w), atol=1e-5)
+    assert (use_onednn(fast) == 0) == wide
+    with torch.no_grad():
+        assert torch.allclose(fast(x, idx, w), Experts.forward(ref, x, idx, w), atol=1e-5)
+    assert len(loops) == (0 if wide else 1)  # the oneDNN loop, once the weights were packed
+    assert kernels.gemm_width in (16, 32)
+
+
 def test_moe_kernel_refuses_bad_inputs(kernels):
     g = torch.Generator().manual_seed(0)
     gu, dn = _experts(4, 16, 8, g)

@@ -47,7 +47,8 @@ class EngineConfig:
     # (about half the batch-1 decode speed on `small`: docs/bench-engine.md, "Per-function vs whole-layer")
     native_layer_kernel: bool = True
     # GEMMs of prefill-sized steps (ONEDNN_MIN_ROWS rows or more) in the native kernels' linear layers and
-    # routed experts, fp32 on CPU: "onednn" = oneDNN over weights prepacked at build (a second copy of those
+    # routed experts (experts only where the native GEMM has no AVX-512 tiles: with them its fused kernel is
+    # faster at every size), fp32 on CPU: "onednn" = oneDNN over weights prepacked at build (a second copy of those
     # weights in memory; 2.0-2.4x MKL's `mm` on an AVX-512 AMD CPU, glm5/infer/onednn.py); "torch" = `mm`;
     # "auto" = onednn where the native kernels run and a build-time check measures it faster on this CPU
     gemm: Literal["auto", "onednn", "torch"] = "auto"

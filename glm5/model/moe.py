@@ -60,8 +60,10 @@ class Router(nn.Module):
 # Without autograd on CPU, a step with at least this many expert assignments per expert on average (prefill
 # chunks, wide batches) runs one BLAS matmul pair per expert (`expert_loop`): on one layer of the bench's
 # 64-expert, top-4 checkpoint (1 thread, one run) 1.2-1.4x faster than `grouped_experts` and 1.3-2.2x faster
-# than the native kernel (glm5/infer/kernels.py) from 256 to 2,048 tokens, while at 1-4 per expert the native
-# kernel or `grouped_experts` is faster (docs/bench-engine.md, "Routed experts by step size").
+# than the native kernel built with 16-column GEMM tiles (AVX2; glm5/infer/kernels.py) from 256 to 2,048
+# tokens, while at 1-4 per expert the native kernel or `grouped_experts` is faster (docs/bench-engine.md,
+# "Routed experts by step size"). The native kernel built with AVX-512 tiles beats the loop at every size and
+# serves them all (`NativeExperts.wide_gemm`).
 LOOP_MIN_ROWS_PER_EXPERT = 8
 
 

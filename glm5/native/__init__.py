@@ -65,6 +65,7 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_swiglu": ([_P, _L, _I, _I, _I, _P, _P, _P, _P, _I], _I),
     "glm5_route": ([_P, _L, _L, _I, _P, _P, _I, _I, _F, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I], _I),
     "glm5_layer_layout": ([_P, _P, _L, _P, _P], ctypes.c_char_p),
+    "glm5_gemm_width": ([], _I),
     "glm5_decode_layer": ([_P, _P, _L, _P, _P, _P, _P, _L, _P, _L, _L, _P, _L, _P, _P, _P, _P, _L, _I, _P, _P, _P, _P,
                            _I], _I),
 }
@@ -181,6 +182,8 @@ class NativeKernels:
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, result
         check_layout(self.lib, LayerSpec)
+        # columns per register tile of the kernels' GEMM as compiled for this CPU: 32 with AVX-512, else 16
+        self.gemm_width: int = self.lib.glm5_gemm_width()
 
     # The modules that call the kernels hold this object, and models get copied (`copy.deepcopy`) and pickled
     # (`torch.save`): a copy shares the loaded library (it has no state of its own), a pickle keeps its path.
