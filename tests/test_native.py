@@ -116,6 +116,44 @@ def test_gqa_kernel_equals_the_modules_grouped_attention(kernels, H, G, D):
         kernels.gqa_decode(q.view(B, T, H, D), torch.randn(64, 2 * (H + 1) * D), H + 1, key_slots, bias, att.scale, lens)
 
 
+@pytest.mark.parametrize("H,G,D", [(6, 2, 64), (8, 8, 12), (7, 1, 20), (16, 2, 9)])
+def test_gqa_prefill_kernel_equals_the_modules_causal_attention(kernels, H, G, D):
+    """`NativeKernels.gqa_prefill` (a sequence's first chunk, causal) == GQAttention's own `_attend_group` on
+    the same group: chunks shorter than one key block, across several blocks with a partial last one, MHA /
+    MQA, odd head dims, queries given as rows of a wider tensor (strided), slots scattered over the cache,
+    1 and 2 threads; bad inputs are refused."""
+    from glm5.model.config import ModelConfig
+    from glm5.model.gqa_attention import GQAttention
+    from glm5.model.paged import AttnGroup
+
+    from .test_hf_glm4 import GQA
+
+    cfg = ModelConfig.from_dict(dict(GQA, num_attention_heads=H, num_key_value_heads=G, head_dim=D))
+    att = GQAttention(cfg, 0).eval()
+    g = torch.Generator().manual_seed(H * G * D + 1)
+    rows = torch.randn(160, 2 * G * D, generator=g)
+    for T in (1, 9, 33, 70):
+        slots = torch.randperm(160, generator=g)[:T]
+        wide = torch.randn(T, H * D + 5, generator=g)
+        q = wide[:, 5:].view(T, H, D)  # rows H * D + 5 apart
+        pos = torch.arange(T)
+        grp = AttnGroup(q_index=pos[None], q_valid=torch.ones(1, T, dtype=torch.bool), q_pos=pos[None],
+                        key_slots=slots[None], key_valid=torch.ones(1, T, dtype=torch.bool),
+                        allowed=(pos[None, :] <= pos[:, None])[None], is_identity=True, key_lens=[T],
+                        causal_from_start=True)
+        with torch.no_grad():
+            ref = att._attend_group(grp, q.contiguous(), rows)[0]  # [T, H, D]
+        for threads in (1, 2):
+            got = kernels.gqa_prefill(q, rows, G, slots, att.scale, threads)
+            assert torch.allclose(got, ref, atol=1e-5), (T, threads, (got - ref).abs().max())
+    with pytest.raises(NativeError, match="key slots outside"):
+        kernels.gqa_prefill(q, rows[:10], G, slots, att.scale)
+    with pytest.raises(ValueError, match="one key per query"):
+        kernels.gqa_prefill(q, rows, G, slots[:-1], att.scale)
+    with pytest.raises(ValueError, match="not a multiple"):
+        kernels.gqa_prefill(q, torch.randn(160, 2 * (H + 1) * D), H + 1, slots, att.scale)
+
+
 @pytest.mark.parametrize("B,T,H,D,r", [(1, 5, 6, 64, 32), (2, 3, 4, 16, 16), (1, 1, 2, 20, 10)])
 def test_rope_heads_kernel_equals_gqa_rotate(kernels, B, T, H, D, r):
     """In-place partial rotary (`rope_heads_`) == GQAttention's `_rotate` (apply_rope on the first r values,
@@ -136,9 +174,21 @@ def test_rope_heads_kernel_equals_gqa_rotate(kernels, B, T, H, D, r):
         kernels.rope_heads_(torch.randn(B, T, H, D), cos, sin, D + 2)
 
 
+class _Spy:
+    """The native ops namespace, recording the name of each op called through it."""
+
+    def __init__(self, ops, names: list):
+        self._ops, self._names = ops, names
+
+    def __getattr__(self, name):
+        op = getattr(self._ops, name)
+        return lambda *a, **k: self._names.append(name) or op(*a, **k)
+
+
 def test_engine_swaps_gqa_attention_and_serves_the_same_tokens(kernels, monkeypatch):
     """A glm4_moe engine on the native kernels: its attention modules are `NativeGQAttention` sharing the
-    (swapped) projections, and its greedy tokens and paged logits equal the PyTorch engine's."""
+    (swapped) projections, and its greedy tokens and paged logits equal the PyTorch engine's, the prompts'
+    first chunks running the causal prefill kernel."""
     from .test_hf_glm4 import CORNERS, _model
 
     gen = torch.Generator().manual_seed(1)
@@ -153,10 +203,15 @@ def test_engine_swaps_gqa_attention_and_serves_the_same_tokens(kernels, monkeypa
     calls, inner = [], NativeGQAttention._attend_group
     monkeypatch.setattr(NativeGQAttention, "_attend_group",
                         lambda self, g, q, rows: calls.append(g.q_index.shape) or inner(self, g, q, rows))
+    import glm5.infer.kernels as kmod
+
+    names = []
+    monkeypatch.setattr(kmod, "ops", _Spy(kmod.ops, names))
     assert _greedy(fast, prompts) == _greedy(plain, prompts)
     for p in prompts:
         assert torch.allclose(_logits(fast, p + [5, 6]), _logits(plain, p + [5, 6]), atol=1e-4)
     assert any(shape[1] == 1 for shape in calls)  # the decode steps went through the swapped module
+    assert names.count("gqa_prefill") >= 2  # the 19- and 30-token prompts' first chunks: the causal kernel
 
 
 @pytest.mark.parametrize("H,E,V,P,R", [(3, 8, 8, 4, 16), (7, 13, 9, 6, 21)])

@@ -41,7 +41,9 @@ def test_every_op_passes_opcheck(ops):
     cases = [(ops.rms_norm, (x, w, 1e-6)), (ops.linear, (x, lin, None)), (ops.linear, (x, lin, torch.randn(24))),
              (ops.swiglu, (x, gate, up, down)), (ops.linear_int8, (x, w8, sc, None)),
              (ops.route, (x, torch.randn(8, 40, generator=g), torch.zeros(8), 2, 1.0, False, 4, 2, True, 2.5)),
-             (ops.rope, (torch.randn(3, 2, 8, generator=g), torch.rand(3, 1, 4), torch.rand(3, 1, 4), True))]
+             (ops.rope, (torch.randn(3, 2, 8, generator=g), torch.rand(3, 1, 4), torch.rand(3, 1, 4), True)),
+             (ops.gqa_prefill, (torch.randn(5, 4, 8, generator=g), torch.randn(16, 32, generator=g), 2,
+                                torch.randperm(16, generator=g)[:5], 0.3))]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 

@@ -237,8 +237,10 @@ GQA_MAX_QUERIES = 8
 class NativeGQAttention(GQAttention):
     """`GQAttention` whose no-grad fp32 CPU attention of a decode-sized group (`_attend_group`) is one
     native call over the paged [k | v] cache rows: no per-step gather of keys and values into [B, G, S, D],
-    no score tensor, no mask addition and softmax as separate ops; and the rotary embedding in place. The
-    projections, norms and cache writes are the module's own (`project`, `write_kv`); everything else is
+    no score tensor, no mask addition and softmax as separate ops; a sequence's first chunk (a prompt's
+    prefill) is one call of the causal block kernel (`gqa_prefill`: 0.58 vs 1.25-1.35 ms for SDPA or the
+    module's own products on 256 tokens, 6 heads over 2 of 64, 1 thread); and the rotary embedding in place.
+    The projections, norms and cache writes are the module's own (`project`, `write_kv`); everything else is
     inherited."""
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -253,10 +255,13 @@ class NativeGQAttention(GQAttention):
         return x
 
     def _attend_group(self, g: AttnGroup, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        if (g.q_index.shape[1] > GQA_MAX_QUERIES or not _cpu_f32(q) or rows.dtype != torch.float32
-                or not rows.is_contiguous()):
+        if not _cpu_f32(q) or rows.dtype != torch.float32 or not rows.is_contiguous():
             return super()._attend_group(g, q, rows)
-        return ops.gqa_decode(_rows(g, q), rows, self.n_kv, g.key_slots, g.key_bias, self.scale, g.key_lens)
+        if g.q_index.shape[1] <= GQA_MAX_QUERIES:
+            return ops.gqa_decode(_rows(g, q), rows, self.n_kv, g.key_slots, g.key_bias, self.scale, g.key_lens)
+        if g.causal_from_start:  # a sequence's first chunk: causal block attention, no [T, S] mask or scores
+            return ops.gqa_prefill(_rows(g, q)[0], rows, self.n_kv, g.key_slots[0], self.scale)[None]
+        return super()._attend_group(g, q, rows)
 
 
 def _swapped(cls: type, mod: nn.Module, **extra) -> nn.Module:

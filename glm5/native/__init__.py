@@ -57,6 +57,7 @@ _SIGNATURES = {  # kernels.c's entry points: (argument types, result type)
     "glm5_latent_decode": ([_P, _L, _L, _I, _I, _P, _L, _P, _L, _P, _P, _I, _F, _P, _I], _I),
     "glm5_mla_decode": ([_P, _L, _L, _P, _P, _I, _I, _I, _L, _L, _I, _P, _L, _P, _L, _P, _P, _I, _F, _P, _I], _I),
     "glm5_gqa_decode": ([_P, _L, _L, _I, _I, _I, _P, _L, _P, _L, _P, _P, _F, _P, _I], _I),
+    "glm5_gqa_prefill": ([_P, _L, _L, _I, _I, _I, _P, _L, _P, _F, _P, _I], _I),
     "glm5_linear": ([_P, _L, _I, _I, _P, _L, _I, _P, _P], None),
     "glm5_rope": ([_P, _L, _P, _P, _P, _L, _I, _I, _I], None),
     "glm5_rope_heads": ([_P, _L, _L, _P, _P, _L, _I, _I], None),
@@ -290,6 +291,28 @@ class NativeKernels:
                                       S, bias.data_ptr(), lens.data_ptr(), scale, out.data_ptr(),
                                       threads or torch.get_num_threads())
         _raise(rc, _KEYS_REFUSED.format(rows=cache.shape[0], S=S), f"{H} query heads over {G} key/value heads")
+        return out
+
+    def gqa_prefill(self, q: torch.Tensor, cache: torch.Tensor, num_kv_heads: int, key_slots: torch.Tensor,
+                    scale: float, threads: int | None = None) -> torch.Tensor:
+        """GQAttention's attention of a sequence's first chunk: q [T, H, D] (rows evenly spaced, each row's
+        heads contiguous) of queries 0..T-1 over the keys 0..T-1 in cache rows key_slots [T] (cache as
+        `gqa_decode`), query t seeing keys 0..t -> [T, H, D] = softmax(q k^T * scale) v per head."""
+        T, H, D = q.shape
+        G = num_kv_heads
+        if G <= 0 or H % G:
+            raise ValueError(f"{H} query heads are not a multiple of {G} key/value heads")
+        if not q[0].is_contiguous() if T else False:
+            q = q.contiguous()
+        _check(q, "q", (T, H, D), inner=True)
+        _check(cache, "cache", (cache.shape[0], 2 * G * D))
+        slots = key_slots.to(torch.int64).contiguous()
+        if slots.shape != (T,):
+            raise ValueError(f"key_slots {list(slots.shape)} must be [{T}]: one key per query")
+        out = q.new_empty(T, H, D)
+        rc = self.lib.glm5_gqa_prefill(q.data_ptr(), q.stride(0), T, H, G, D, cache.data_ptr(), cache.shape[0],
+                                       slots.data_ptr(), scale, out.data_ptr(), threads or torch.get_num_threads())
+        _raise(rc, f"key slots outside [0, {cache.shape[0]})", f"{H} query heads over {G} key/value heads")
         return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -685,6 +685,118 @@ int glm5_gqa_decode(const float *q, long B, long T, int H, int G, int D, const f
     return fail;
 }
 
+/* Causal grouped-query attention of a sequence's first chunk (GQAttention's prefill groups): query t of
+ * q [T, H, D] (rows ldq apart, heads D apart) attends keys 0..t, read from the paged cache rows slots[0..T-1]
+ * (cache [rows, 2 * G * D] as glm5_gqa_decode) -> out [T, H, D] contiguous = softmax(q k^T * scale) v per head.
+ * Flash-style: the key and value heads are first packed per key/value head (keys transposed [D, Tp], values
+ * [Tp, D], zero-padded to Tp = a multiple of PREFILL_KB), then each work item (key/value head, block of
+ * PREFILL_QB query rows, query head of the group) walks the key blocks up to its last query with a running
+ * max and sum, both products on tiled_gemm; blocks past the diagonal are not visited. Returns 0; 2 for a slot
+ * outside [0, rows); 3 for H not a multiple of G; 1 when out of memory. */
+#define PREFILL_QB 8  /* query rows per work item: one register tile of tiled_gemm */
+#define PREFILL_KB 32 /* keys per block: one wide tile's columns */
+int glm5_gqa_prefill(const float *q, long ldq, long T, int H, int G, int D, const float *cache, long rows,
+                     const int64_t *slots, float scale, float *out, int threads) {
+    if (G <= 0 || H % G) return 3;
+    for (long s = 0; s < T; s++)
+        if (slots[s] < 0 || slots[s] >= rows) return 2;
+    if (T <= 0) return 0;
+    const int r = H / G;
+    const long Tp = (T + PREFILL_KB - 1) / PREFILL_KB * PREFILL_KB, ldr = 2L * G * D;
+    float *kt = malloc(sizeof(float) * G * D * Tp), *vp = malloc(sizeof(float) * G * Tp * D);
+    if (!kt || !vp) {
+        free(kt);
+        free(vp);
+        return 1;
+    }
+    for (int g = 0; g < G; g++)
+        for (long s = 0; s < Tp; s++) {
+            const float *row = s < T ? cache + slots[s] * ldr : NULL;
+            float *kg = kt + (long)g * D * Tp + s, *vg = vp + ((long)g * Tp + s) * D;
+            for (int d = 0; d < D; d++) {
+                kg[(long)d * Tp] = row ? row[(long)g * D + d] : 0.0f;
+                vg[d] = row ? row[(long)(G + g) * D + d] : 0.0f;
+            }
+        }
+    const long nqb = (T + PREFILL_QB - 1) / PREFILL_QB, items = (long)G * nqb * r;
+    int nt = n_threads(threads);
+    if (nt > items) nt = (int)items;
+    int fail = 0;
+#pragma omp parallel num_threads(nt) reduction(| : fail) if (nt > 1)
+    {
+        const long QB = PREFILL_QB, KB = PREFILL_KB;
+        float *qs = malloc(sizeof(float) * (QB * (3L * D + KB + 2)));
+        float *sc = qs ? qs + QB * D : NULL, *tmp = sc ? sc + QB * KB : NULL, *acc = tmp ? tmp + QB * D : NULL;
+        float *mx = acc ? acc + QB * D : NULL, *sum = mx ? mx + QB : NULL;
+        fail |= !qs;
+#pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < items; it++) {
+            if (!qs) continue;
+            const int g = (int)(it / (nqb * r)), h = g * r + (int)(it % r);
+            const long t0 = (it / r) % nqb * QB;
+            const int R = (int)(T - t0 < QB ? T - t0 : QB);
+            for (int i = 0; i < R; i++) {
+                const float *qi = q + (t0 + i) * ldq + (long)h * D;
+                for (int d = 0; d < D; d++) qs[i * D + d] = qi[d] * scale;
+                mx[i] = -INFINITY;
+                sum[i] = 0.0f;
+            }
+            memset(acc, 0, sizeof(float) * R * D);
+            const float *kg = kt + (long)g * D * Tp, *vg = vp + (long)g * Tp * D;
+            for (long k0 = 0; k0 < t0 + R; k0 += KB) {
+                const int nk = (int)(t0 + R - k0 < KB ? t0 + R - k0 : KB);
+                tiled_gemm(qs, D, R, D, kg + k0, Tp, (int)KB, sc); /* sc [R, KB] = q . k for keys k0 .. k0 + KB */
+                for (int i = 0; i < R; i++) {
+                    float *si = sc + i * KB;
+                    const long lim = t0 + i - k0 + 1; /* keys of this block that query t0 + i may see */
+                    const int n = (int)(lim < KB ? lim : KB);
+                    float m = mx[i];
+                    int j = 0;
+                    if (n == KB) { /* a full block: vector max (no serial chain of comparisons) */
+                        v8 vm = *(v8 *)si;
+                        for (j = 8; j < KB; j += 8) {
+                            v8 x = *(v8 *)(si + j);
+                            vi8 gt = x > vm;
+                            vm = (v8)(((vi8)x & gt) | ((vi8)vm & ~gt));
+                        }
+                        for (int u = 0; u < 8; u++) m = vm[u] > m ? vm[u] : m;
+                    } else
+                        for (; j < n; j++) m = si[j] > m ? si[j] : m;
+                    const float alpha = mx[i] == -INFINITY ? 0.0f : expf(mx[i] - m);
+                    v8 vs = (v8){0};
+                    for (j = 0; j + 8 <= n; j += 8) {
+                        v8 e = exp8(*(v8 *)(si + j) - m);
+                        *(v8 *)(si + j) = e;
+                        vs += e;
+                    }
+                    float add = 0.0f;
+                    for (int u = 0; u < 8; u++) add += vs[u];
+                    for (; j < n; j++) {
+                        si[j] = expf(si[j] - m);
+                        add += si[j];
+                    }
+                    for (; j < KB; j++) si[j] = 0.0f; /* masked keys (and the zero padding) weigh nothing */
+                    mx[i] = m;
+                    sum[i] = sum[i] * alpha + add;
+                    if (alpha != 1.0f)
+                        for (int d = 0; d < D; d++) acc[i * D + d] *= alpha;
+                }
+                tiled_gemm(sc, KB, R, nk, vg + k0 * D, D, D, tmp); /* tmp [R, D] = p . v over the block's keys */
+                for (long e = 0; e < (long)R * D; e++) acc[e] += tmp[e];
+            }
+            for (int i = 0; i < R; i++) {
+                float *o = out + ((t0 + i) * H + h) * (long)D;
+                const float inv = 1.0f / sum[i];
+                for (int d = 0; d < D; d++) o[d] = acc[i * D + d] * inv;
+            }
+        }
+        free(qs);
+    }
+    free(kt);
+    free(vp);
+    return fail;
+}
+
 /* ---------------------------------------------------------------------------------------------------- */
 /* Rotary embedding                                                                                      */
 

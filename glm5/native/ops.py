@@ -114,4 +114,8 @@ _op("gqa_decode(Tensor q, Tensor cache, int num_kv_heads, Tensor key_slots, Tens
     lambda q, cache, num_kv_heads, key_slots, bias, scale, key_lens: torch.empty(q.shape, dtype=q.dtype,
                                                                                    device=q.device))
 
+_op("gqa_prefill(Tensor q, Tensor cache, int num_kv_heads, Tensor key_slots, float scale) -> Tensor",
+    lambda q, cache, num_kv_heads, key_slots, scale: _kernels().gqa_prefill(q, cache, num_kv_heads, key_slots, scale),
+    lambda q, cache, num_kv_heads, key_slots, scale: torch.empty(q.shape, dtype=q.dtype, device=q.device))
+
 ops = getattr(torch.ops, NAMESPACE)
