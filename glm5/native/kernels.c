@@ -4,6 +4,8 @@
  *   glm5_moe           routed experts of one MoE layer  == glm5.model.moe.grouped_experts
  *   glm5_latent_decode dense absorbed-MLA attention     == glm5.model.latent_attention.dense_latent_attention
  *   glm5_mla_decode    the same with W_uk and W_uv      == MLAttention.absorb_q / .latent_to_heads around it
+ *   glm5_gqa_decode    GQA over paged [k | v] rows      == glm5.model.gqa_attention.GQAttention._attend_group
+ *   glm5_gqa_prefill   the same, a first chunk (causal)  == GQAttention._attend_group (causal_from_start)
  *   glm5_rope          rotary embedding                 == glm5.model.layers.apply_rope
  *   glm5_rope_heads    the same in place on head rows   == GQAttention._rotate (half-split, partial)
  *   glm5_rms_norm      RMSNorm, fp32                    == glm5.model.layers.RMSNorm
@@ -21,6 +23,7 @@
  * Threads: OpenMP, sharing the runtime PyTorch already loaded (libgomp.so.1), so the kernels run on the
  * same pool as torch's own ops instead of competing with its spinning workers.
  * Vectors: GCC vector extensions (8 floats); the compiler maps them to AVX2/AVX-512/NEON as -march allows.
+ * Where it targets AVX-512, the GEMM's register tiles are 16-float vectors, 32 columns wide (tile32).
  */
 #include <math.h>
 #include <stddef.h>
