@@ -240,24 +240,18 @@ def test_prefill_sized_expert_steps_follow_the_gemm_width(kernels, monkeypatch, 
     loop. Either way the output is the model experts' (`Experts.forward`)."""
     import glm5.infer.kernels as kmod
     from glm5.infer.kernels import _swapped, use_onednn
-    from glm5.infer.layout import transpose_weights
     from glm5.model.moe import Experts
 
-    from ._tiny import tiny_config
+    from glm5.infer import onednn
 
-    cfg = tiny_config(n_routed_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(2)
-    ref = Experts(cfg)
-    torch.nn.init.normal_(ref.gate_up_proj, std=0.2)
-    torch.nn.init.normal_(ref.down_proj, std=0.2)
-    transpose_weights(ref)
+    from .test_onednn import served_experts_and_step
+
+    if not wide and not onednn.available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    ref, (x, idx, w) = served_experts_and_step(2)
     fast = _swapped(NativeExperts, ref, wide_gemm=wide)
     loops = []
     monkeypatch.setattr(kmod, "expert_loop", lambda *a: loops.append(1) or expert_loop(*a))
-    n = 40  # 80 assignments over 4 experts: 20 rows an expert, above LOOP_MIN_ROWS_PER_EXPERT
-    x = torch.randn(n, cfg.hidden_size)
-    idx = torch.stack([torch.randperm(4)[:2] for _ in range(n)])
-    w = torch.rand(n, 2)
     with torch.no_grad():
         assert torch.allclose(fast(x, idx, w), Experts.forward(ref, x, idx, w), atol=1e-5)
     assert (use_onednn(fast) == 0) == wide

@@ -51,24 +51,31 @@ def test_weights_made_under_inference_mode_are_not_packed():
     assert use_onednn(_swapped(NativeLinear, lin)) == 0
 
 
-def test_experts_loop_on_onednn_equals_the_model_experts():
-    """The routed experts' BLAS loop (prefill-sized steps) on packed weights: the model module's output,
-    also after one expert's weights are rewritten in place."""
+def served_experts_and_step(seed: int) -> tuple[Experts, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """4 experts (top-2) stored [in, out] as the engine serves them, and a prefill-sized step for them:
+    x [40, H], idx / w [40, 2] (80 assignments, 20 rows an expert: above LOOP_MIN_ROWS_PER_EXPERT and
+    ONEDNN_MIN_ROWS)."""
     cfg = tiny_config(n_routed_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     ref = Experts(cfg)
     torch.nn.init.normal_(ref.gate_up_proj, std=0.2)
     torch.nn.init.normal_(ref.down_proj, std=0.2)
     transpose_weights(ref)
-    fast = _swapped(NativeExperts, ref)
-    assert use_onednn(fast) == 1
-    n = 40  # 80 assignments over 4 experts: the loop, with most experts above ONEDNN_MIN_ROWS
+    n = 40
     x = torch.randn(n, cfg.hidden_size)
     idx = torch.stack([torch.randperm(4)[:2] for _ in range(n)])
-    w = torch.rand(n, 2)
+    return ref, (x, idx, torch.rand(n, 2))
+
+
+def test_experts_loop_on_onednn_equals_the_model_experts():
+    """The routed experts' BLAS loop (prefill-sized steps) on packed weights: the model module's output,
+    also after one expert's weights are rewritten in place."""
+    ref, (x, idx, w) = served_experts_and_step(1)
+    fast = _swapped(NativeExperts, ref)
+    assert use_onednn(fast) == 1
     with torch.no_grad():
         assert torch.allclose(fast(x, idx, w), Experts.forward(ref, x, idx, w), atol=1e-5)
-        ref.gate_up_proj[1, :cfg.moe_intermediate_size].copy_(torch.randn(cfg.moe_intermediate_size, cfg.hidden_size))
+        ref.gate_up_proj[1, :ref.inter].copy_(torch.randn(ref.inter, x.shape[1]))
         assert torch.allclose(fast(x, idx, w), Experts.forward(ref, x, idx, w), atol=1e-5)
 
 

@@ -68,6 +68,7 @@ static inline v8 exp8(v8 x) {
 #define LIN_ROWS 6
 #define TILE_ROWS 12
 #define TILE_M 8
+_Static_assert(TILE_M == 8, "row tiles are dispatched by UPTO8");
 #define K_CHUNK 64
 #define PREFETCH_ROWS 8 /* weight rows ahead of the one being read (four-row form) */
 #define KEYS_AHEAD 8    /* attention: key rows ahead of the one being scored whose lines are prefetched
@@ -84,6 +85,19 @@ static inline v8 exp8(v8 x) {
         case 4: f(__VA_ARGS__, 4); break;       \
         case 5: f(__VA_ARGS__, 5); break;       \
         default: f(__VA_ARGS__, 6); break;      \
+    }
+
+/* The same for row tiles: f(args..., k) with k = min(n, 8) (TILE_M = WIDE_M = 8); n >= 1. */
+#define UPTO8(n, f, ...)                        \
+    switch ((n) < 8 ? (n) : 8) {                \
+        case 1: f(__VA_ARGS__, 1); break;       \
+        case 2: f(__VA_ARGS__, 2); break;       \
+        case 3: f(__VA_ARGS__, 3); break;       \
+        case 4: f(__VA_ARGS__, 4); break;       \
+        case 5: f(__VA_ARGS__, 5); break;       \
+        case 6: f(__VA_ARGS__, 6); break;       \
+        case 7: f(__VA_ARGS__, 7); break;       \
+        default: f(__VA_ARGS__, 8); break;      \
     }
 
 /* Y[0:RR, :] += X[0:RR, k:k+4] @ W[k:k+4, :] for a compile-time RR: four weight rows read once per vector,
@@ -163,6 +177,7 @@ static inline __attribute__((always_inline)) void lin_rows(const float *X, long 
  * would not fit the 16 vector registers). */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define WIDE_M 8 /* rows per wide tile (16 accumulators): 8 and 12 equal at 128 rows an expert, 8 faster at 16 */
+_Static_assert(WIDE_M == 8, "wide tiles are dispatched by UPTO8");
 
 /* tile16 for 32 columns of AVX-512 vectors and a compile-time RR <= WIDE_M: each output element is the same
  * sum, in the same order (k ascending), as tile16 forms it. On the bench's expert shapes (1 thread, Zen 5)
@@ -192,16 +207,7 @@ static int wide_panels(const float *X, long ldx, int R, int K, const float *W, l
         for (int r0 = 0; r0 < R; r0 += WIDE_M) {
             const float *x = X + r0 * ldx;
             float *y = Y + r0 * (long)N + j;
-            switch (R - r0 < WIDE_M ? R - r0 : WIDE_M) {
-                case 1: tile32(x, ldx, K, W + j, ldw, y, N, 1); break;
-                case 2: tile32(x, ldx, K, W + j, ldw, y, N, 2); break;
-                case 3: tile32(x, ldx, K, W + j, ldw, y, N, 3); break;
-                case 4: tile32(x, ldx, K, W + j, ldw, y, N, 4); break;
-                case 5: tile32(x, ldx, K, W + j, ldw, y, N, 5); break;
-                case 6: tile32(x, ldx, K, W + j, ldw, y, N, 6); break;
-                case 7: tile32(x, ldx, K, W + j, ldw, y, N, 7); break;
-                default: tile32(x, ldx, K, W + j, ldw, y, N, WIDE_M); break;
-            }
+            UPTO8(R - r0, tile32, x, ldx, K, W + j, ldw, y, N);
         }
     return nt;
 }
@@ -219,16 +225,7 @@ static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, l
         for (int r0 = 0; r0 < R; r0 += TILE_M) {
             const float *x = X + r0 * ldx;
             float *y = Y + r0 * (long)N + j;
-            switch (R - r0 < TILE_M ? R - r0 : TILE_M) {
-                case 1: tile16(x, ldx, K, W + j, ldw, y, N, 1); break;
-                case 2: tile16(x, ldx, K, W + j, ldw, y, N, 2); break;
-                case 3: tile16(x, ldx, K, W + j, ldw, y, N, 3); break;
-                case 4: tile16(x, ldx, K, W + j, ldw, y, N, 4); break;
-                case 5: tile16(x, ldx, K, W + j, ldw, y, N, 5); break;
-                case 6: tile16(x, ldx, K, W + j, ldw, y, N, 6); break;
-                case 7: tile16(x, ldx, K, W + j, ldw, y, N, 7); break;
-                default: tile16(x, ldx, K, W + j, ldw, y, N, TILE_M); break;
-            }
+            UPTO8(R - r0, tile16, x, ldx, K, W + j, ldw, y, N);
         }
     for (int r = 0; r < R; r++)
         for (int j = nt; j < N; j++) {
