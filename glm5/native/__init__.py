@@ -302,7 +302,7 @@ class NativeKernels:
         G = num_kv_heads
         if G <= 0 or H % G:
             raise ValueError(f"{H} query heads are not a multiple of {G} key/value heads")
-        if not q[0].is_contiguous() if T else False:
+        if T and not q[0].is_contiguous():  # each query row's heads must be contiguous; rows may be apart
             q = q.contiguous()
         _check(q, "q", (T, H, D), inner=True)
         _check(cache, "cache", (cache.shape[0], 2 * G * D))
