@@ -200,10 +200,10 @@ static inline __attribute__((always_inline)) void tile32(const float *X, long ld
     }
 }
 
-/* Columns j0 .. j0 + 32 * (N - j0) / 32 of Y by wide tiles; returns the first column left. */
-static int wide_panels(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y, int j0) {
-    int nt = j0 + (N - j0) / 32 * 32;
-    for (int j = j0; j < nt; j += 32)
+/* Columns 0 .. 32 * (N / 32) of Y by wide tiles; returns the first column left. */
+static int wide_panels(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
+    int nt = N / 32 * 32;
+    for (int j = 0; j < nt; j += 32)
         for (int r0 = 0; r0 < R; r0 += WIDE_M) {
             const float *x = X + r0 * ldx;
             float *y = Y + r0 * (long)N + j;
@@ -218,7 +218,7 @@ static int wide_panels(const float *X, long ldx, int R, int K, const float *W, l
 static void tiled_gemm(const float *X, long ldx, int R, int K, const float *W, long ldw, int N, float *Y) {
     int j0 = 0;
 #ifdef __AVX512F__
-    j0 = wide_panels(X, ldx, R, K, W, ldw, N, Y, 0);
+    j0 = wide_panels(X, ldx, R, K, W, ldw, N, Y);
 #endif
     int nt = j0 + (N - j0) / 16 * 16;
     for (int j = j0; j < nt; j += 16)
